@@ -1,0 +1,9 @@
+"""airflow-retention: scheduled, bounded, idempotent deletion of expired PostgreSQL rows for Airflow 3."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from airflow_retention.core.policy import RetentionPolicy, load_policies
+
+__all__ = ["RetentionPolicy", "__version__", "load_policies"]

@@ -1,0 +1,125 @@
+"""The little the core needs from a DB-API connection, the same on psycopg2 and psycopg 3.
+
+Statements use ``%(name)s`` placeholders (both drivers accept them) and cast every parameter
+explicitly (``::bigint``, ``::timestamptz``), because psycopg 3 types a Python int by its value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from airflow_retention.core.errors import PermanentError, RetryableError
+
+# SQLSTATEs a retry can fix: timeouts, lost sessions, deadlocks, serialization failures, shortage.
+_RETRYABLE_STATES = {"40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03", "55006"}
+_RETRYABLE_CLASSES = {"08", "53", "58"}
+_PERMANENT_CLASSES = {"0A", "22", "23", "28", "2B", "3D", "3F", "42", "44", "P0"}
+
+
+def driver_name(conn: Any) -> str:
+    """``"psycopg"`` (3) or ``"psycopg2"``."""
+    return "psycopg" if type(conn).__module__.split(".")[0] == "psycopg" else "psycopg2"
+
+
+def cursor(conn: Any) -> Any:
+    """A cursor returning plain tuples, whatever row factory the connection was configured with."""
+    if driver_name(conn) == "psycopg":
+        from psycopg.rows import tuple_row
+
+        return conn.cursor(row_factory=tuple_row)
+    import psycopg2.extensions
+
+    return conn.cursor(cursor_factory=psycopg2.extensions.cursor)
+
+
+def prepare(conn: Any) -> None:
+    """Put the connection in explicit-transaction mode: every batch is committed by us, once."""
+    if getattr(conn, "autocommit", False):
+        conn.rollback()
+        conn.autocommit = False
+
+
+@contextmanager
+def transaction(conn: Any) -> Iterator[Any]:
+    """One top-level transaction: commit on success, roll back on any error, and translate errors.
+
+    Deliberately not psycopg 3's ``conn.transaction()``, which is only a savepoint on a connection
+    that is not in autocommit mode.
+    """
+    cur = cursor(conn)
+    try:
+        yield cur
+        conn.commit()
+    except BaseException as exc:
+        _rollback_quietly(conn)
+        translated = translate(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+    finally:
+        _close_quietly(cur)
+
+
+def fetch_all(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+    """Run one read-only statement in its own transaction and return its rows."""
+    with transaction(conn) as cur:
+        cur.execute(sql, params or {})
+        return list(cur.fetchall())
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a driver error (psycopg 3 ``sqlstate``, psycopg2 ``pgcode``)."""
+    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+
+
+def is_driver_error(exc: BaseException) -> bool:
+    return any(cls.__module__.split(".")[0] in ("psycopg", "psycopg2") for cls in type(exc).__mro__)
+
+
+def translate(exc: BaseException) -> BaseException:
+    """Map a driver error to :class:`RetryableError` or :class:`PermanentError`; leave others alone."""
+    if not is_driver_error(exc):
+        return exc
+    state = sqlstate(exc)
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if state is None or state in _RETRYABLE_STATES or state[:2] in _RETRYABLE_CLASSES:
+        # No SQLSTATE means the driver lost the connection (server restart, network, killed session).
+        return RetryableError(f"{_describe(state)}: {message}", state)
+    if state[:2] in _PERMANENT_CLASSES:
+        return PermanentError(f"{_describe(state)}: {message}")
+    return RetryableError(f"{_describe(state)}: {message}", state)
+
+
+_NAMES = {
+    "55P03": "lock timeout",
+    "57014": "statement timeout or cancel",
+    "40P01": "deadlock",
+    "40001": "serialization failure",
+    "57P01": "session terminated by the administrator",
+    "42501": "insufficient privilege",
+    "42P01": "undefined table",
+    "42703": "undefined column",
+    "42601": "syntax error",
+}
+
+
+def _describe(state: str | None) -> str:
+    if state is None:
+        return "connection lost"
+    return f"{_NAMES.get(state, 'database error')} (SQLSTATE {state})"
+
+
+def _rollback_quietly(conn: Any) -> None:
+    try:
+        conn.rollback()
+    except Exception:  # noqa: BLE001 - the connection may be gone; the original error matters more
+        pass
+
+
+def _close_quietly(cur: Any) -> None:
+    try:
+        cur.close()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,228 @@
+"""The chunk engine: delete one chunk's eligible rows in bounded batches, one transaction each.
+
+Each batch transaction
+  1. sets ``lock_timeout`` and ``statement_timeout`` for itself,
+  2. locks the chunk's ledger row (attempts of one chunk, e.g. a zombie and its retry, queue here),
+  3. reads the chunk's progress from that row, so a killed attempt resumes after its last commit,
+  4. picks at most ``batch_size`` eligible keys from there and deletes them, re-checking the range, the
+     cutoff and the condition in the DELETE itself (a row reopened since planning survives),
+  5. advances the progress and counts, and marks the chunk complete when the range is exhausted,
+and commits all of that at once. A replay of a complete chunk finds it complete and does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.catalog import TargetInfo, inspect_target
+from airflow_retention.core.cutoff import as_utc, format_cutoff, run_key
+from airflow_retention.core.errors import PermanentError, RetentionError
+from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.sql import batch_statement, timeouts_statement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchReport:
+    lo: int
+    hi: int
+    picked: int
+    deleted: int
+    archived: int
+    ms: float
+
+
+@dataclass
+class ChunkResult:
+    """What one attempt at a chunk did; :meth:`summary` is the operator's XCom."""
+
+    run_key: str
+    chunk_key: str
+    already_complete: bool = False
+    rows_deleted: int = 0
+    rows_archived: int = 0
+    rows_matched: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+    resumed_from: int | None = None
+    batch_log: list[BatchReport] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("batch_log")
+        data["seconds"] = round(self.seconds, 3)
+        data["longest_batch_ms"] = round(max((b.ms for b in self.batch_log), default=0.0), 1)
+        return data
+
+
+def default_host() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def run_chunk(
+    conn: Any,
+    policy: RetentionPolicy,
+    cutoff: datetime,
+    chunk: ChunkSpec,
+    *,
+    attempt: Attempt | None = None,
+    target: TargetInfo | None = None,
+    ledger: Ledger | None = None,
+    on_batch: Callable[[BatchReport], None] | None = None,
+) -> ChunkResult:
+    """Delete the eligible rows of one chunk; safe to call any number of times, from any number of
+    processes at once. Raises :class:`RetryableError` (nothing of the failed batch applied; retry
+    resumes) or :class:`PermanentError` (retrying cannot help; nothing of the failed batch applied).
+
+    :param conn: a DB-API connection (psycopg2 or psycopg 3) to the target database.
+    :param cutoff: the run's frozen cutoff, an aware instant.
+    :param chunk: tenants and key range; its ledger row is created if the planner did not.
+    :param attempt: who runs it, recorded on completion.
+    :param target: the checked catalog facts, when the caller has them already.
+    :param on_batch: called after each committed batch.
+    """
+    cutoff = as_utc(cutoff)
+    if chunk.lo >= chunk.hi:
+        raise PermanentError(f"chunk {chunk.key}: empty or inverted range [{chunk.lo}, {chunk.hi})")
+    if chunk.tenants is not None and policy.tenant_column is None:
+        raise PermanentError(f"chunk {chunk.key} names tenants but policy {policy.name!r} has no tenant_column")
+    attempt = attempt or Attempt(host=default_host())
+    ledger = ledger or Ledger(policy.ledger_schema)
+    dbapi.prepare(conn)
+    target = target or inspect_target(conn, policy)
+    key = run_key(policy, cutoff)
+    _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt)
+
+    statement = batch_statement(policy, target, tenant_filter=chunk.tenants is not None)
+    result = ChunkResult(run_key=key, chunk_key=chunk.key)
+    started = time.perf_counter()
+    params: dict[str, Any] = {
+        "cutoff": cutoff,
+        "hi": chunk.hi,
+        "limit": policy.batch_size,
+        "tenants": list(chunk.tenants) if chunk.tenants is not None else None,
+    }
+    timeouts = {"lock_timeout": str(policy.lock_timeout_ms), "statement_timeout": str(policy.statement_timeout_ms)}
+    try:
+        while True:
+            batch_started = time.perf_counter()
+            with dbapi.transaction(conn) as cur:
+                cur.execute(timeouts_statement(), timeouts)
+                row = ledger.lock_chunk(cur, key, chunk.key)
+                if row is None:
+                    raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
+                state, next_key, _, _, _, earlier_deleted = row
+                if state == "complete":
+                    result.already_complete = result.batches == 0
+                    break
+                if result.batches == 0:
+                    result.resumed_from = next_key if next_key != chunk.lo else None
+                params["lo"] = next_key
+                cur.execute(statement, params)
+                picked, last_key, deleted, archived = cur.fetchone()
+                new_next = chunk.hi if picked < policy.batch_size else int(last_key) + 1
+                exhausted = new_next >= chunk.hi
+                matched = picked if policy.dry_run else 0
+                outcome = None
+                if exhausted:
+                    total = earlier_deleted + deleted
+                    outcome = "dry_run" if policy.dry_run else ("deleted" if total else "nothing_to_delete")
+                ledger.record_batch(
+                    cur,
+                    key,
+                    chunk.key,
+                    next_key=new_next,
+                    deleted=deleted,
+                    archived=archived,
+                    matched=matched,
+                    complete=exhausted,
+                    outcome=outcome,
+                    attempt=attempt,
+                    first_batch_of_attempt=result.batches == 0,
+                )
+            report = BatchReport(
+                lo=next_key,
+                hi=new_next,
+                picked=picked,
+                deleted=deleted,
+                archived=archived,
+                ms=(time.perf_counter() - batch_started) * 1000,
+            )
+            result.batches += 1
+            result.rows_deleted += deleted
+            result.rows_archived += archived
+            result.rows_matched += matched
+            result.batch_log.append(report)
+            log.info(
+                "chunk %s batch %d: ids [%s, %s) %s %d rows in %.0f ms%s",
+                chunk.key,
+                result.batches,
+                report.lo,
+                report.hi,
+                "would delete" if policy.dry_run else "deleted",
+                picked if policy.dry_run else deleted,
+                report.ms,
+                " (chunk complete)" if exhausted else "",
+            )
+            if on_batch is not None:
+                on_batch(report)
+            if exhausted:
+                break
+    except RetentionError as exc:
+        ledger.record_error(conn, key, chunk.key, str(exc))
+        raise
+    result.seconds = time.perf_counter() - started
+    if result.already_complete:
+        log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
+    return result
+
+
+def _ensure_chunk_row(
+    conn: Any,
+    ledger: Ledger,
+    policy: RetentionPolicy,
+    cutoff: datetime,
+    key: str,
+    chunk: ChunkSpec,
+    attempt: Attempt,
+) -> None:
+    """Make the run and chunk rows exist (a lone chunk operator has no planner), and check that a row
+    already there describes the same range: a chunk key must never be reused for other rows."""
+    ledger.ensure(conn)
+    with dbapi.transaction(conn) as cur:
+        ledger.register_run(
+            cur,
+            RunRecord(
+                run_key=key,
+                policy=policy.name,
+                target_table=str(policy.table),
+                cutoff=cutoff,
+                dry_run=policy.dry_run,
+                chunk_rows=policy.chunk_rows,
+                batch_size=policy.batch_size,
+                chunks_expected=0,
+                rows_planned=0,
+                planned_by=f"lone chunk {chunk.key} ({attempt.label()})",
+            ),
+            complete_if_empty=False,
+        )
+        ledger.insert_chunk(cur, key, chunk)
+        stored = ledger.lock_chunk(cur, key, chunk.key)
+    assert stored is not None
+    _, _, lo, hi, tenants, _ = stored
+    if (lo, hi) != (chunk.lo, chunk.hi) or (tuple(tenants) if tenants is not None else None) != chunk.tenants:
+        raise PermanentError(
+            f"chunk key {chunk.key!r} of run {key} is recorded with tenants {tenants} and range [{lo}, {hi}),"
+            f" not {chunk.tenants} [{chunk.lo}, {chunk.hi}); chunk keys must identify one range"
+        )
+    log.debug("chunk %s of run %s (cutoff %s) is in the ledger", chunk.key, key, format_cutoff(cutoff))

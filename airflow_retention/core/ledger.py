@@ -1,0 +1,386 @@
+"""The ledger: runs and chunks of every purge, kept in the target database.
+
+It lives next to the data because an Airflow 3 task cannot reach the metadata database, and because
+a batch's ledger update must commit in the same transaction as its DELETE. Every statement on the
+ledger is here. The columns are documented in ``docs/ledger.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.identifiers import quote_ident
+
+SCHEMA_VERSION = 1
+
+# Each step moves the ledger from version N-1 to N. Steps only ever get appended.
+_MIGRATIONS: dict[int, str] = {
+    1: """
+CREATE TABLE IF NOT EXISTS {s}.runs (
+    run_key            text PRIMARY KEY,
+    policy             text NOT NULL,
+    target_table       text NOT NULL,
+    cutoff             timestamptz NOT NULL,
+    dry_run            boolean NOT NULL DEFAULT false,
+    state              text NOT NULL CHECK (state IN ('planned', 'complete')),
+    chunk_rows         bigint NOT NULL,
+    batch_size         integer NOT NULL,
+    chunks_expected    integer NOT NULL,
+    rows_planned       bigint NOT NULL,
+    planned_at         timestamptz NOT NULL DEFAULT now(),
+    planned_by         text,
+    completed_at       timestamptz,
+    chunks_completed   integer,
+    rows_deleted       bigint,
+    rows_archived      bigint,
+    rows_matched       bigint,
+    verified_by        text,
+    UNIQUE (policy, cutoff, dry_run)
+);
+CREATE TABLE IF NOT EXISTS {s}.chunks (
+    run_key            text NOT NULL REFERENCES {s}.runs (run_key) ON DELETE CASCADE,
+    chunk_key          text NOT NULL,
+    seq                integer,
+    tenants            text[],
+    lo                 bigint NOT NULL,
+    hi                 bigint NOT NULL,
+    rows_planned       bigint,
+    state              text NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'running', 'complete')),
+    next_key           bigint NOT NULL,
+    rows_deleted       bigint NOT NULL DEFAULT 0,
+    rows_archived      bigint NOT NULL DEFAULT 0,
+    rows_matched       bigint NOT NULL DEFAULT 0,
+    batches            integer NOT NULL DEFAULT 0,
+    last_batch_rows    integer,
+    attempts           integer NOT NULL DEFAULT 0,
+    first_started_at   timestamptz,
+    last_batch_at      timestamptz,
+    completed_at       timestamptz,
+    completed_dag_id   text,
+    completed_run_id   text,
+    completed_map_index integer,
+    completed_try_number integer,
+    completed_host     text,
+    outcome            text CHECK (outcome IN ('deleted', 'nothing_to_delete', 'dry_run')),
+    last_error         text,
+    PRIMARY KEY (run_key, chunk_key),
+    CHECK (lo < hi),
+    CHECK (next_key BETWEEN lo AND hi)
+);
+CREATE INDEX IF NOT EXISTS chunks_incomplete ON {s}.chunks (run_key) WHERE state <> 'complete';
+CREATE INDEX IF NOT EXISTS runs_policy_cutoff ON {s}.runs (policy, cutoff DESC);
+""",
+}
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """Who is doing the work: recorded on the chunk that an attempt completes."""
+
+    dag_id: str | None = None
+    run_id: str | None = None
+    map_index: int | None = None
+    try_number: int | None = None
+    host: str | None = None
+
+    def label(self) -> str:
+        if self.dag_id is None:
+            return self.host or "outside Airflow"
+        return f"{self.dag_id}/{self.run_id}/{self.map_index}/try {self.try_number}"
+
+
+class Ledger:
+    """Statements on the ledger tables of one schema."""
+
+    def __init__(self, schema: str = "retention") -> None:
+        self.schema = schema
+        self.s = quote_ident(schema)
+
+    # -- creation and migration -------------------------------------------------------------------
+
+    def version(self, conn: Any) -> int | None:
+        rows = dbapi.fetch_all(
+            conn,
+            "SELECT to_regclass(%(t)s) IS NOT NULL",
+            {"t": f"{self.s}.ledger_version"},
+        )
+        if not rows[0][0]:
+            return None
+        return int(dbapi.fetch_all(conn, f"SELECT version FROM {self.s}.ledger_version")[0][0])
+
+    def ensure(self, conn: Any) -> int:
+        """Create or migrate the ledger; safe under concurrent callers. Returns the schema version.
+
+        An up-to-date ledger is only read, so a role without CREATE can run purges once an administrator
+        has run ``ensure`` (or ``airflow-retention init-ledger``).
+        """
+        current = self.version(conn)
+        if current == SCHEMA_VERSION:
+            return current
+        if current is not None and current > SCHEMA_VERSION:
+            raise PermanentError(
+                f"ledger schema {self.schema!r} is at version {current}, newer than this airflow-retention"
+                f" ({SCHEMA_VERSION}); upgrade the package"
+            )
+        with dbapi.transaction(conn) as cur:
+            # Concurrent creators queue on this lock; IF NOT EXISTS alone races on the catalog.
+            cur.execute("SELECT pg_advisory_xact_lock(hashtext(%(k)s))", {"k": f"airflow_retention:{self.schema}"})
+            cur.execute(f"CREATE SCHEMA IF NOT EXISTS {self.s}")
+            cur.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.s}.ledger_version ("
+                " singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
+                " version integer NOT NULL, migrated_at timestamptz NOT NULL DEFAULT now())"
+            )
+            cur.execute(f"SELECT version FROM {self.s}.ledger_version")
+            row = cur.fetchone()
+            version = row[0] if row else 0
+            for step in range(version + 1, SCHEMA_VERSION + 1):
+                cur.execute(_MIGRATIONS[step].format(s=self.s))
+            cur.execute(
+                f"INSERT INTO {self.s}.ledger_version (version) VALUES (%(v)s::integer)"
+                " ON CONFLICT (singleton) DO UPDATE SET version = EXCLUDED.version, migrated_at = now()",
+                {"v": SCHEMA_VERSION},
+            )
+        return SCHEMA_VERSION
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def register_run(self, cur: Any, run: RunRecord, *, complete_if_empty: bool = True) -> bool:
+        """Insert the run if it is new; return whether this call created it. A planned run with no
+        chunks is complete at once (nothing was eligible)."""
+        empty_and_done = complete_if_empty and run.chunks_expected == 0
+        cur.execute(
+            f"INSERT INTO {self.s}.runs (run_key, policy, target_table, cutoff, dry_run, state, chunk_rows,"
+            " batch_size, chunks_expected, rows_planned, planned_by)"
+            " VALUES (%(run_key)s, %(policy)s, %(table)s, %(cutoff)s::timestamptz, %(dry_run)s::boolean,"
+            " %(state)s, %(chunk_rows)s::bigint, %(batch_size)s::integer, %(chunks)s::integer,"
+            " %(rows)s::bigint, %(by)s)"
+            " ON CONFLICT (run_key) DO NOTHING RETURNING run_key",
+            {
+                "run_key": run.run_key,
+                "policy": run.policy,
+                "table": run.target_table,
+                "cutoff": run.cutoff,
+                "dry_run": run.dry_run,
+                "state": "complete" if empty_and_done else "planned",
+                "chunk_rows": run.chunk_rows,
+                "batch_size": run.batch_size,
+                "chunks": run.chunks_expected,
+                "rows": run.rows_planned,
+                "by": run.planned_by,
+            },
+        )
+        created = cur.fetchone() is not None
+        if created and empty_and_done:
+            cur.execute(
+                f"UPDATE {self.s}.runs SET completed_at = now(), chunks_completed = 0, rows_deleted = 0,"
+                " rows_archived = 0, rows_matched = 0, verified_by = %(by)s WHERE run_key = %(run_key)s",
+                {"run_key": run.run_key, "by": run.planned_by},
+            )
+        return created
+
+    def insert_chunks(self, cur: Any, run_key: str, chunks: Sequence[ChunkSpec]) -> None:
+        for chunk in chunks:
+            self.insert_chunk(cur, run_key, chunk)
+
+    def insert_chunk(self, cur: Any, run_key: str, chunk: ChunkSpec) -> None:
+        cur.execute(
+            f"INSERT INTO {self.s}.chunks (run_key, chunk_key, seq, tenants, lo, hi, rows_planned, next_key)"
+            " VALUES (%(run_key)s, %(key)s, %(seq)s::integer, %(tenants)s::text[], %(lo)s::bigint,"
+            " %(hi)s::bigint, %(rows)s::bigint, %(lo)s::bigint)"
+            " ON CONFLICT (run_key, chunk_key) DO NOTHING",
+            {
+                "run_key": run_key,
+                "key": chunk.key,
+                "seq": chunk.seq,
+                "tenants": list(chunk.tenants) if chunk.tenants is not None else None,
+                "lo": chunk.lo,
+                "hi": chunk.hi,
+                "rows": chunk.rows_planned,
+            },
+        )
+
+    def get_run(self, conn: Any, run_key: str) -> dict[str, Any] | None:
+        rows = dbapi.fetch_all(conn, f"SELECT {_RUN_COLUMNS} FROM {self.s}.runs WHERE run_key = %(k)s", {"k": run_key})
+        return dict(zip(_RUN_FIELDS, rows[0], strict=True)) if rows else None
+
+    def stored_plan(self, conn: Any, run_key: str) -> list[ChunkSpec]:
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT chunk_key, seq, tenants, lo, hi, rows_planned FROM {self.s}.chunks"
+            " WHERE run_key = %(k)s ORDER BY seq NULLS LAST, chunk_key",
+            {"k": run_key},
+        )
+        return [
+            ChunkSpec(key=k, seq=seq, tenants=tuple(t) if t is not None else None, lo=lo, hi=hi, rows_planned=n)
+            for k, seq, t, lo, hi, n in rows
+        ]
+
+    def chunk_rows(self, conn: Any, run_key: str) -> list[dict[str, Any]]:
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT {_CHUNK_COLUMNS} FROM {self.s}.chunks WHERE run_key = %(k)s ORDER BY seq NULLS LAST, chunk_key",
+            {"k": run_key},
+        )
+        return [dict(zip(_CHUNK_FIELDS, row, strict=True)) for row in rows]
+
+    def complete_run(self, conn: Any, run_key: str, verified_by: str | None) -> dict[str, Any]:
+        """Mark a run complete with totals summed from its chunks; the first verification wins."""
+        with dbapi.transaction(conn) as cur:
+            cur.execute(
+                f"UPDATE {self.s}.runs r SET state = 'complete', completed_at = coalesce(r.completed_at, now()),"
+                " chunks_completed = t.chunks, rows_deleted = t.deleted, rows_archived = t.archived,"
+                " rows_matched = t.matched, verified_by = coalesce(r.verified_by, %(by)s)"
+                " FROM (SELECT count(*) FILTER (WHERE state = 'complete') AS chunks,"
+                "              coalesce(sum(rows_deleted), 0) AS deleted,"
+                "              coalesce(sum(rows_archived), 0) AS archived,"
+                "              coalesce(sum(rows_matched), 0) AS matched"
+                f"       FROM {self.s}.chunks WHERE run_key = %(k)s) t"
+                " WHERE r.run_key = %(k)s",
+                {"k": run_key, "by": verified_by},
+            )
+        run = self.get_run(conn, run_key)
+        assert run is not None
+        return run
+
+    def recent_runs(self, conn: Any, policy: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT {_RUN_COLUMNS} FROM {self.s}.runs"
+            " WHERE %(p)s::text IS NULL OR policy = %(p)s::text ORDER BY policy, cutoff LIMIT %(n)s::integer",
+            {"p": policy, "n": limit},
+        )
+        return [dict(zip(_RUN_FIELDS, row, strict=True)) for row in rows]
+
+    # -- chunks, inside the engine's batch transaction --------------------------------------------
+
+    def lock_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
+        """Lock the chunk's row for the rest of the transaction: attempts of one chunk serialise here.
+        Returns (state, next_key, lo, hi, tenants, rows_deleted) or None when there is no such row."""
+        cur.execute(
+            f"SELECT state, next_key, lo, hi, tenants, rows_deleted FROM {self.s}.chunks"
+            " WHERE run_key = %(r)s AND chunk_key = %(c)s FOR UPDATE",
+            {"r": run_key, "c": chunk_key},
+        )
+        return cur.fetchone()
+
+    def record_batch(
+        self,
+        cur: Any,
+        run_key: str,
+        chunk_key: str,
+        *,
+        next_key: int,
+        deleted: int,
+        archived: int,
+        matched: int,
+        complete: bool,
+        outcome: str | None,
+        attempt: Attempt,
+        first_batch_of_attempt: bool,
+    ) -> None:
+        cur.execute(
+            f"UPDATE {self.s}.chunks SET next_key = %(next)s::bigint,"
+            " rows_deleted = rows_deleted + %(deleted)s::bigint,"
+            " rows_archived = rows_archived + %(archived)s::bigint,"
+            " rows_matched = rows_matched + %(matched)s::bigint,"
+            " batches = batches + 1, last_batch_rows = %(batch_rows)s::integer,"
+            " attempts = attempts + %(new_attempt)s::integer,"
+            " first_started_at = coalesce(first_started_at, now()), last_batch_at = clock_timestamp(),"
+            " state = CASE WHEN %(complete)s::boolean THEN 'complete' ELSE 'running' END,"
+            " completed_at = CASE WHEN %(complete)s::boolean THEN clock_timestamp() END,"
+            " outcome = %(outcome)s::text,"
+            " completed_dag_id = CASE WHEN %(complete)s::boolean THEN %(dag_id)s::text END,"
+            " completed_run_id = CASE WHEN %(complete)s::boolean THEN %(run_id)s::text END,"
+            " completed_map_index = CASE WHEN %(complete)s::boolean THEN %(map_index)s::integer END,"
+            " completed_try_number = CASE WHEN %(complete)s::boolean THEN %(try_number)s::integer END,"
+            " completed_host = CASE WHEN %(complete)s::boolean THEN %(host)s::text END,"
+            " last_error = NULL"
+            " WHERE run_key = %(r)s AND chunk_key = %(c)s AND state <> 'complete'",
+            {
+                "r": run_key,
+                "c": chunk_key,
+                "next": next_key,
+                "deleted": deleted,
+                "archived": archived,
+                "matched": matched,
+                "batch_rows": deleted if not matched else matched,
+                "new_attempt": 1 if first_batch_of_attempt else 0,
+                "complete": complete,
+                "outcome": outcome,
+                "dag_id": attempt.dag_id,
+                "run_id": attempt.run_id,
+                "map_index": attempt.map_index,
+                "try_number": attempt.try_number,
+                "host": attempt.host,
+            },
+        )
+        if cur.rowcount != 1:
+            # Impossible while we hold the row lock; refuse to commit a batch the ledger did not record.
+            raise PermanentError(f"chunk {chunk_key} of run {run_key} vanished or completed under its lock")
+
+    def record_error(self, conn: Any, run_key: str, chunk_key: str, message: str) -> None:
+        """Best effort, in a transaction of its own: the batch that failed has been rolled back."""
+        try:
+            with dbapi.transaction(conn) as cur:
+                cur.execute(
+                    f"UPDATE {self.s}.chunks SET last_error = %(m)s WHERE run_key = %(r)s AND chunk_key = %(c)s",
+                    {"m": message[:2000], "r": run_key, "c": chunk_key},
+                )
+        except Exception:  # noqa: BLE001 - the connection may be the thing that failed
+            pass
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk of a plan: tenants (None: all rows) and the key range [lo, hi)."""
+
+    key: str
+    lo: int
+    hi: int
+    tenants: tuple[str, ...] | None = None
+    seq: int | None = None
+    rows_planned: int | None = None
+
+    def label(self) -> str:
+        """What the Airflow UI shows for the mapped task: "tenant 7 · ids 120000-130000"."""
+        ids = f"ids {self.lo}-{self.hi - 1}"
+        if self.tenants is None:
+            return ids
+        if len(self.tenants) == 1:
+            return f"tenant {self.tenants[0]} · {ids}"
+        return f"{len(self.tenants)} tenants {self.tenants[0]}…{self.tenants[-1]} · {ids}"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    run_key: str
+    policy: str
+    target_table: str
+    cutoff: datetime
+    dry_run: bool
+    chunk_rows: int
+    batch_size: int
+    chunks_expected: int
+    rows_planned: int
+    planned_by: str | None
+
+
+_RUN_FIELDS = (
+    "run_key", "policy", "target_table", "cutoff", "dry_run", "state", "chunk_rows", "batch_size",
+    "chunks_expected", "rows_planned", "planned_at", "planned_by", "completed_at", "chunks_completed",
+    "rows_deleted", "rows_archived", "rows_matched", "verified_by",
+)  # fmt: skip
+_RUN_COLUMNS = ", ".join(_RUN_FIELDS)
+_CHUNK_FIELDS = (
+    "run_key", "chunk_key", "seq", "tenants", "lo", "hi", "rows_planned", "state", "next_key",
+    "rows_deleted", "rows_archived", "rows_matched", "batches", "attempts", "first_started_at",
+    "last_batch_at", "completed_at", "completed_dag_id", "completed_run_id", "completed_map_index",
+    "completed_try_number", "completed_host", "outcome", "last_error",
+)  # fmt: skip
+_CHUNK_COLUMNS = ", ".join(_CHUNK_FIELDS)

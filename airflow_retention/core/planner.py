@@ -1,0 +1,268 @@
+"""The planner: turn a policy and a frozen cutoff into a deterministic set of chunks, once per run.
+
+Chunks are key ranges [lo, hi) per tenant, each holding at most ``chunk_rows`` rows eligible at
+planning time, so that a tenant with 50 times the rows gets 50 times the chunks while small tenants
+share a chunk. Boundaries are found by the server walking the index (``OFFSET n LIMIT 1``): the planner
+holds one row per tenant, never the eligible keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.catalog import TargetInfo, inspect_target
+from airflow_retention.core.cutoff import as_utc, format_cutoff, run_key
+from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.ledger import ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.sql import boundary_statement, group_statement
+
+log = logging.getLogger(__name__)
+
+MIN_KEY = -(2**63) + 1  # psycopg2 sends -9223372036854775808::bigint, which overflows before negation
+MAX_KEY = 2**63 - 1
+# A shared chunk lists its tenants in XCom and in the ledger: keep that list bounded.
+MAX_TENANTS_PER_CHUNK = 500
+_GROWTH = 1.25
+
+
+@dataclass(frozen=True)
+class Group:
+    """Eligible rows of one tenant (or of the whole table): count and key bounds."""
+
+    tenant: str | None
+    rows: int
+    lo: int
+    hi: int  # exclusive
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_key: str
+    cutoff: datetime
+    chunks: list[ChunkSpec]
+    rows_planned: int
+    chunk_rows: int
+    reused: bool
+
+    def expand_kwargs(self) -> list[dict[str, Any]]:
+        """One small dict per chunk, the keyword arguments of a mapped ``RetentionChunkOperator``."""
+        cutoff = format_cutoff(self.cutoff)
+        return [
+            {
+                "cutoff": cutoff,
+                "chunk_key": c.key,
+                "lo": c.lo,
+                "hi": c.hi,
+                "tenants": list(c.tenants) if c.tenants is not None else None,
+                "rows_planned": c.rows_planned,
+            }
+            for c in self.chunks
+        ]
+
+
+def chunk_key(tenants: tuple[str, ...] | None, lo: int, hi: int) -> str:
+    """Deterministic, readable chunk identity within a run."""
+    if tenants is None:
+        part = "all"
+    elif len(tenants) == 1:
+        part = f"t={tenants[0]}"
+    else:
+        part = f"t={tenants[0]}..{tenants[-1]}({len(tenants)})"
+    return f"{part}:{lo}-{hi}"
+
+
+def chunk_count(groups: Iterable[Group], chunk_rows: int) -> int:
+    """How many chunks :func:`split` makes of these groups, without touching the database."""
+    count = 0
+    pack_rows = pack_size = 0
+    for g in groups:
+        if g.rows > chunk_rows:
+            count += math.ceil(g.rows / chunk_rows)
+            continue
+        if pack_size and (pack_rows + g.rows > chunk_rows or pack_size >= MAX_TENANTS_PER_CHUNK):
+            count += 1
+            pack_rows = pack_size = 0
+        pack_rows += g.rows
+        pack_size += 1
+    return count + (1 if pack_size else 0)
+
+
+def choose_chunk_rows(groups: list[Group], chunk_rows: int, max_chunks: int) -> int:
+    """The smallest chunk size from ``chunk_rows`` up whose plan fits in ``max_chunks`` mapped tasks."""
+    total = sum(g.rows for g in groups)
+    size = max(chunk_rows, math.ceil(total / max_chunks) if total else chunk_rows)
+    while chunk_count(groups, size) > max_chunks:
+        size = math.ceil(size * _GROWTH)
+    return size
+
+
+def read_groups(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime) -> list[Group]:
+    rows = dbapi.fetch_all(conn, group_statement(policy, target), {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY})
+    groups = []
+    for tenant, count, lo, hi in rows:
+        if not count:
+            continue
+        if policy.tenant_column is not None and tenant is None:
+            log.warning(
+                "policy %s: %d eligible row(s) have a NULL %s and are not planned: a NULL tenant belongs to no"
+                " chunk; give those rows a tenant or use a policy without tenant_column",
+                policy.name,
+                count,
+                policy.tenant_column,
+            )
+            continue
+        groups.append(Group(tenant=tenant, rows=int(count), lo=int(lo), hi=int(hi) + 1))
+    return groups
+
+
+def split(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, groups: list[Group], chunk_rows: int
+) -> list[ChunkSpec]:
+    """Cut the groups into chunks of at most ``chunk_rows`` eligible rows, in a deterministic order."""
+    chunks: list[ChunkSpec] = []
+    pack: list[Group] = []
+
+    def flush() -> None:
+        if pack:
+            tenants = tuple(g.tenant for g in pack) if policy.tenant_column else None
+            lo, hi = min(g.lo for g in pack), max(g.hi for g in pack)
+            chunks.append(_spec(tenants, lo, hi, sum(g.rows for g in pack), len(chunks)))
+            pack.clear()
+
+    for group in groups:
+        if group.rows > chunk_rows:
+            flush()
+            chunks.extend(_walk(conn, policy, target, cutoff, group, chunk_rows, first_seq=len(chunks)))
+            continue
+        if pack and (sum(g.rows for g in pack) + group.rows > chunk_rows or len(pack) >= MAX_TENANTS_PER_CHUNK):
+            flush()
+        pack.append(group)
+    flush()
+    return chunks
+
+
+def _walk(
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    cutoff: datetime,
+    group: Group,
+    chunk_rows: int,
+    first_seq: int,
+) -> list[ChunkSpec]:
+    tenants = (group.tenant,) if policy.tenant_column else None
+    statement = boundary_statement(policy, target, tenant_filter=tenants is not None)
+    params = {"cutoff": cutoff, "hi": group.hi, "offset": chunk_rows, "tenants": list(tenants or ())}
+    chunks: list[ChunkSpec] = []
+    lo = group.lo
+    remaining = group.rows
+    while True:
+        rows = dbapi.fetch_all(conn, statement, {**params, "lo": lo})
+        if not rows:
+            chunks.append(_spec(tenants, lo, group.hi, max(remaining, 0), first_seq + len(chunks)))
+            return chunks
+        boundary = int(rows[0][0])
+        chunks.append(_spec(tenants, lo, boundary, chunk_rows, first_seq + len(chunks)))
+        remaining -= chunk_rows
+        lo = boundary
+
+
+def _spec(tenants: tuple[str, ...] | None, lo: int, hi: int, rows: int, seq: int) -> ChunkSpec:
+    return ChunkSpec(key=chunk_key(tenants, lo, hi), lo=lo, hi=hi, tenants=tenants, seq=seq, rows_planned=rows)
+
+
+def plan_run(
+    conn: Any,
+    policy: RetentionPolicy,
+    cutoff: datetime,
+    *,
+    max_chunks: int = 1024,
+    planned_by: str | None = None,
+    target: TargetInfo | None = None,
+) -> Plan:
+    """Plan the run of ``policy`` at ``cutoff`` once; later calls for the same run key return the stored
+    plan. Creates the ledger if needed. A plan with no chunks records the run complete with zero rows."""
+    cutoff = as_utc(cutoff)
+    if max_chunks < 1:
+        raise PermanentError(f"max_chunks must be at least 1, got {max_chunks}")
+    ledger = Ledger(policy.ledger_schema)
+    dbapi.prepare(conn)
+    ledger.ensure(conn)
+    key = run_key(policy, cutoff)
+    stored = ledger.get_run(conn, key)
+    if stored is not None:
+        return _stored(conn, ledger, key, cutoff, stored)
+
+    target = target or inspect_target(conn, policy)
+    (now,) = dbapi.fetch_all(conn, "SELECT now()")[0]
+    if cutoff > now:
+        raise PermanentError(
+            f"policy {policy.name!r}: cutoff {format_cutoff(cutoff)} is in the future (database time is"
+            f" {format_cutoff(now)}); refusing to plan a purge of rows that are not yet expired"
+        )
+    groups = read_groups(conn, policy, target, cutoff)
+    size = choose_chunk_rows(groups, policy.chunk_rows, max_chunks)
+    if size != policy.chunk_rows:
+        log.warning(
+            "policy %s: %d eligible rows at chunk_rows=%d would need more than %d chunks (Airflow's [core]"
+            " max_map_length); chunks grow to %d rows each",
+            policy.name,
+            sum(g.rows for g in groups),
+            policy.chunk_rows,
+            max_chunks,
+            size,
+        )
+    chunks = split(conn, policy, target, cutoff, groups, size)
+    rows = sum(g.rows for g in groups)
+    with dbapi.transaction(conn) as cur:
+        created = ledger.register_run(
+            cur,
+            RunRecord(
+                run_key=key,
+                policy=policy.name,
+                target_table=str(policy.table),
+                cutoff=cutoff,
+                dry_run=policy.dry_run,
+                chunk_rows=size,
+                batch_size=policy.batch_size,
+                chunks_expected=len(chunks),
+                rows_planned=rows,
+                planned_by=planned_by,
+            ),
+        )
+        if created:
+            ledger.insert_chunks(cur, key, chunks)
+    if not created:  # another planner of the same run won the race: its plan is the plan
+        stored = ledger.get_run(conn, key)
+        assert stored is not None
+        return _stored(conn, ledger, key, cutoff, stored)
+    log.info(
+        "policy %s: run %s planned %d chunk(s) over %d tenant group(s), %d eligible rows, chunk_rows %d",
+        policy.name,
+        key,
+        len(chunks),
+        len(groups),
+        rows,
+        size,
+    )
+    return Plan(run_key=key, cutoff=cutoff, chunks=chunks, rows_planned=rows, chunk_rows=size, reused=False)
+
+
+def _stored(conn: Any, ledger: Ledger, key: str, cutoff: datetime, run: dict[str, Any]) -> Plan:
+    chunks = ledger.stored_plan(conn, key)
+    log.info("run %s was planned before (%s): returning its %d stored chunk(s)", key, run["planned_at"], len(chunks))
+    return Plan(
+        run_key=key,
+        cutoff=cutoff,
+        chunks=chunks,
+        rows_planned=int(run["rows_planned"]),
+        chunk_rows=int(run["chunk_rows"]),
+        reused=True,
+    )

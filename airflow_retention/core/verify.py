@@ -1,0 +1,57 @@
+"""Verification of a run: the expected chunk set against the ledger, in words."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_retention.core.ledger import Ledger
+
+
+@dataclass(frozen=True)
+class Verification:
+    run_key: str
+    expected: int
+    complete: int
+    missing: list[str] = field(default_factory=list)
+    rows_deleted: int = 0
+    run_found: bool = True
+
+    @property
+    def ok(self) -> bool:
+        return self.run_found and not self.missing
+
+    def describe(self) -> str:
+        if not self.run_found:
+            return f"run {self.run_key}: not in the ledger (never planned)"
+        if self.ok:
+            return f"run {self.run_key}: all {self.expected} expected chunk(s) complete, {self.rows_deleted} row(s) deleted"
+        return (
+            f"run {self.run_key}: {self.complete} of {self.expected} expected chunk(s) complete;"
+            f" missing: {', '.join(self.missing[:20])}" + (" …" if len(self.missing) > 20 else "")
+        )
+
+
+def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
+    """Compare the expected chunk keys (the plan handed to the chunk tasks; the ledger's own list when
+    not given) with the chunks the ledger shows complete. A chunk marked "success" in the UI without
+    running is missing here, and so is a chunk whose ledger row is gone."""
+    run = ledger.get_run(conn, run_key)
+    if run is None:
+        return Verification(run_key, len(expected_keys or ()), 0, list(expected_keys or ()), run_found=False)
+    rows = {r["chunk_key"]: r for r in ledger.chunk_rows(conn, run_key)}
+    expected = list(expected_keys) if expected_keys is not None else list(rows)
+    if expected_keys is None and run["chunks_expected"] > len(rows):
+        expected.append(f"{run['chunks_expected'] - len(rows)} chunk row(s) deleted from the ledger")
+    complete = [k for k in expected if k in rows and rows[k]["state"] == "complete"]
+    missing = [
+        k if k in rows or expected_keys is None else f"{k} (no ledger row)" for k in expected if k not in complete
+    ]
+    return Verification(
+        run_key=run_key,
+        expected=len(expected),
+        complete=len(complete),
+        missing=missing,
+        rows_deleted=sum(rows[k]["rows_deleted"] for k in complete),
+    )

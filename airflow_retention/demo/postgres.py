@@ -1,0 +1,73 @@
+"""Find a PostgreSQL to work on: the DSN given, else the local server, else a throwaway embedded one."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import tempfile
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DSN_ENV = "RETENTION_TEST_DSN"
+LOCAL_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+_embedded: Any = None
+
+
+def can_connect(dsn: str, timeout: int = 3) -> bool:
+    import psycopg2
+
+    try:
+        psycopg2.connect(dsn, connect_timeout=timeout).close()
+    except psycopg2.OperationalError:
+        return False
+    return True
+
+
+def resolve_dsn(explicit: str | None = None) -> str:
+    """``explicit`` or ``$RETENTION_TEST_DSN`` when given (it must answer), else the local server at
+    127.0.0.1:5432 database ``test``, else a throwaway server started with the ``pgserver`` package
+    (stopped and removed at exit)."""
+    given = explicit or os.environ.get(DSN_ENV)
+    if given:
+        if not can_connect(given):
+            raise RuntimeError(f"PostgreSQL at {given!r} (from {DSN_ENV} or --dsn) does not answer")
+        return given
+    if can_connect(LOCAL_DSN):
+        return LOCAL_DSN
+    return start_embedded()
+
+
+def start_embedded() -> str:
+    global _embedded
+    if _embedded is None:
+        try:
+            import pgserver
+        except ImportError as exc:  # pragma: no cover - pgserver is in the test extra
+            raise RuntimeError(
+                f"no PostgreSQL at {LOCAL_DSN} and no {DSN_ENV} given; install pgserver for a throwaway one"
+            ) from exc
+        data_dir = tempfile.mkdtemp(prefix="retention-pg-")
+        log.warning("no PostgreSQL at %s: starting a throwaway server in %s", LOCAL_DSN, data_dir)
+        _embedded = pgserver.get_server(data_dir, cleanup_mode="delete")
+        atexit.register(_embedded.cleanup)
+    return _embedded.get_uri()
+
+
+def airflow_connection_json(dsn: str) -> str:
+    """The DSN as an Airflow connection in JSON (works for TCP and Unix-socket DSNs alike)."""
+    import json
+
+    from psycopg2.extensions import parse_dsn
+
+    parts = parse_dsn(dsn)
+    conn = {
+        "conn_type": "postgres",
+        "host": parts.get("host", "127.0.0.1"),
+        "port": int(parts.get("port", 5432)),
+        "login": parts.get("user", "postgres"),
+        "password": parts.get("password") or None,
+        "schema": parts.get("dbname", "postgres"),
+    }
+    return json.dumps(conn)

@@ -1,0 +1,145 @@
+"""Example tables for the three example policies, with a realistic shape: a noisy tenant, rows right
+around each run's cutoff, rows held back by the condition, an archive table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.catalog import inspect_target
+from airflow_retention.core.identifiers import quote_ident
+from airflow_retention.core.planner import MAX_KEY, MIN_KEY
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.sql import eligibility
+
+SCHEMA_SQL = """
+DROP TABLE IF EXISTS public.webhook_deliveries, public.tenant_events;
+DROP SCHEMA IF EXISTS audit CASCADE;
+CREATE TABLE public.webhook_deliveries (
+    id              bigserial PRIMARY KEY,
+    created_at      timestamptz NOT NULL,
+    status          text NOT NULL,
+    next_attempt_at timestamptz,
+    endpoint        text NOT NULL,
+    payload         text NOT NULL
+);
+CREATE INDEX ON public.webhook_deliveries (created_at);
+CREATE TABLE public.tenant_events (
+    event_id    bigserial PRIMARY KEY,
+    tenant_id   integer NOT NULL,
+    occurred_at timestamptz NOT NULL,
+    kind        text NOT NULL,
+    payload     text NOT NULL
+);
+CREATE INDEX ON public.tenant_events (occurred_at);
+CREATE INDEX ON public.tenant_events (tenant_id, event_id);
+CREATE SCHEMA audit;
+CREATE TABLE audit.audit_log (
+    id        bigserial PRIMARY KEY,
+    logged_at timestamptz NOT NULL,
+    actor     text NOT NULL,
+    action    text NOT NULL,
+    detail    text NOT NULL
+);
+CREATE INDEX ON audit.audit_log (logged_at);
+CREATE TABLE audit.audit_log_archive (LIKE audit.audit_log);
+"""
+
+# Rows spread over `days` days before the anchor, in random order so keys and time do not align.
+WEBHOOKS_SQL = """
+INSERT INTO public.webhook_deliveries (created_at, status, next_attempt_at, endpoint, payload)
+SELECT ts,
+       CASE WHEN r < 0.70 THEN 'delivered' WHEN r < 0.80 THEN 'abandoned' WHEN r < 0.90 THEN 'failed' ELSE 'pending' END,
+       CASE WHEN r >= 0.80 OR (r >= 0.78 AND r < 0.80) THEN ts + interval '1 hour' END,
+       'https://hooks.example.com/' || (g %% 97),
+       repeat(md5(g::text), 4)
+FROM (SELECT g, random() AS r,
+             %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400) AS ts
+      FROM generate_series(1, %(rows)s::integer) g ORDER BY random()) s
+"""
+EVENTS_SQL = """
+INSERT INTO public.tenant_events (tenant_id, occurred_at, kind, payload)
+SELECT CASE WHEN g %% 69 < 50 THEN 1 ELSE 2 + g %% 69 - 50 END,
+       %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400),
+       (ARRAY['view','click','signup','purchase'])[1 + g %% 4],
+       repeat(md5(g::text), 3)
+FROM generate_series(1, %(rows)s::integer) g ORDER BY random()
+"""
+AUDIT_SQL = """
+INSERT INTO audit.audit_log (logged_at, actor, action, detail)
+SELECT %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400),
+       'user' || (g %% 300), (ARRAY['login','update','export','delete'])[1 + g %% 4], repeat(md5(g::text), 2)
+FROM generate_series(1, %(rows)s::integer) g ORDER BY random()
+"""
+# Rows one second before, at, and one second after a cutoff: only the first is ever eligible.
+EDGE_SQL = {
+    "webhook_deliveries": "INSERT INTO public.webhook_deliveries (created_at, status, endpoint, payload)"
+    " SELECT %(cutoff)s::timestamptz + make_interval(secs => s), 'delivered', 'edge', 'edge'"
+    " FROM unnest(ARRAY[-1, 0, 1]) s",
+    "tenant_events": "INSERT INTO public.tenant_events (tenant_id, occurred_at, kind, payload)"
+    " SELECT t, %(cutoff)s::timestamptz + make_interval(secs => s), 'edge', 'edge'"
+    " FROM unnest(ARRAY[-1, 0, 1]) s, unnest(ARRAY[1, 7]) t",
+    "audit_log": "INSERT INTO audit.audit_log (logged_at, actor, action, detail)"
+    " SELECT %(cutoff)s::timestamptz + make_interval(secs => s), 'edge', 'edge', 'edge'"
+    " FROM unnest(ARRAY[-1, 0, 1]) s",
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    webhooks: int = 60_000
+    events: int = 150_000
+    audit: int = 30_000
+
+
+def seed_examples(conn: Any, anchor: datetime, cutoffs: dict[str, Iterable[datetime]], shape: Shape = Shape()) -> None:
+    """(Re)create and fill the example tables. ``cutoffs`` maps policy name to the cutoffs the runs will
+    use, so that rows sit right on both sides of each."""
+    with dbapi.transaction(conn) as cur:
+        cur.execute(SCHEMA_SQL)
+        cur.execute(WEBHOOKS_SQL, {"anchor": anchor, "days": 60, "rows": shape.webhooks})
+        cur.execute(EVENTS_SQL, {"anchor": anchor, "days": 120, "rows": shape.events})
+        cur.execute(AUDIT_SQL, {"anchor": anchor, "days": 420, "rows": shape.audit})
+        for name, values in cutoffs.items():
+            for cutoff in values:
+                cur.execute(EDGE_SQL[name], {"cutoff": cutoff})
+        cur.execute("ANALYZE public.webhook_deliveries; ANALYZE public.tenant_events; ANALYZE audit.audit_log")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The rows a purge at ``cutoff`` must leave: their count and an order-free checksum of their keys."""
+
+    table: str
+    total: int
+    eligible: int
+    keep_count: int
+    keep_checksum: int
+
+
+def snapshot(conn: Any, policy: RetentionPolicy, cutoff: datetime) -> Snapshot:
+    """Count the table and the rows eligible at ``cutoff``; checksum the keys of the rows to keep."""
+    target = inspect_target(conn, policy)
+    where = eligibility(policy, target, tenant_filter=False)
+    params = {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY}
+    eligible = dbapi.fetch_all(conn, f"SELECT count(*) FROM {policy.table.sql} WHERE {where}", params)[0][0]
+    key = quote_ident(policy.key_column)
+    keep = dbapi.fetch_all(
+        conn,
+        f"SELECT count(*), coalesce(sum(hashtextextended({key}::text, 0)::numeric), 0)"
+        f" FROM {policy.table.sql} WHERE NOT coalesce(({where}), false)",
+        params,
+    )[0]
+    total = dbapi.fetch_all(conn, f"SELECT count(*) FROM {policy.table.sql}")[0][0]
+    return Snapshot(str(policy.table), int(total), int(eligible), int(keep[0]), int(keep[1]))
+
+
+def utc_day(value: str) -> datetime:
+    """Midnight UTC of an ISO date."""
+    return datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
+
+
+ONE_DAY = timedelta(days=1)

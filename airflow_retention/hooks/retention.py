@@ -1,0 +1,62 @@
+"""``RetentionHook``: a ``PostgresHook`` that runs the retention core on its connection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+from airflow_retention.core.engine import ChunkResult, run_chunk
+from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.planner import Plan, plan_run
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.verify import Verification, verify_run
+
+
+class RetentionHook(PostgresHook):
+    """Plan, purge and verify the runs of one policy over its Postgres connection.
+
+    Works with the psycopg 3 connections of ``apache-airflow-providers-postgres`` on Airflow 3.2+ and the
+    psycopg2 ones before; every call opens its own connection and closes it.
+
+    :param policy: the retention policy; its ``conn_id`` names the connection.
+    """
+
+    hook_name = "Retention"
+
+    def __init__(self, *, policy: RetentionPolicy, **kwargs: Any) -> None:
+        kwargs.setdefault("postgres_conn_id", policy.conn_id)
+        super().__init__(**kwargs)
+        self.policy = policy
+        self.ledger = Ledger(policy.ledger_schema)
+
+    @contextmanager
+    def open_connection(self) -> Iterator[Any]:
+        conn = self.get_conn()
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    def plan(self, cutoff: datetime, *, max_chunks: int, planned_by: str | None = None) -> Plan:
+        with self.open_connection() as conn:
+            return plan_run(conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by)
+
+    def run_chunk(self, cutoff: datetime, chunk: ChunkSpec, attempt: Attempt) -> ChunkResult:
+        with self.open_connection() as conn:
+            return run_chunk(conn, self.policy, cutoff, chunk, attempt=attempt)
+
+    def verify(self, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
+        with self.open_connection() as conn:
+            return verify_run(conn, self.ledger, run_key, expected_keys)
+
+    def complete_run(self, run_key: str, verified_by: str | None) -> dict[str, Any]:
+        with self.open_connection() as conn:
+            return self.ledger.complete_run(conn, run_key, verified_by)
+
+    def ensure_ledger(self) -> int:
+        with self.open_connection() as conn:
+            return self.ledger.ensure(conn)

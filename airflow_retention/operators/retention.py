@@ -1,0 +1,212 @@
+"""Operators of airflow-retention: plan a run, purge one chunk."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator, conf
+from airflow.sdk.exceptions import AirflowFailException
+
+from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
+from airflow_retention.core.errors import PermanentError, PolicyError
+from airflow_retention.core.ledger import Attempt, ChunkSpec
+from airflow_retention.core.planner import chunk_key as make_chunk_key
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.hooks.retention import RetentionHook
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+RUN_XCOM_KEY = "run"
+
+
+def cutoff_from_context(policy: RetentionPolicy, context: Context) -> datetime:
+    """The run's frozen cutoff: its data interval end, else logical date, else run_after, minus retention."""
+    dag_run = context.get("dag_run")
+    anchor = run_anchor(
+        data_interval_end=context.get("data_interval_end"),
+        logical_date=context.get("logical_date"),
+        run_after=getattr(dag_run, "run_after", None),
+    )
+    return freeze_cutoff(policy, anchor)
+
+
+def attempt_from_context(context: Context) -> Attempt:
+    ti = context["ti"]
+    map_index = getattr(ti, "map_index", None)
+    return Attempt(
+        dag_id=ti.dag_id,
+        run_id=ti.run_id,
+        map_index=map_index if map_index is not None and map_index >= 0 else None,
+        try_number=getattr(ti, "try_number", None),
+        host=f"{socket.gethostname()}:{os.getpid()}",
+    )
+
+
+def fail_fast(exc: Exception) -> AirflowFailException:
+    """A problem no retry can fix fails the task at once, with the core's message."""
+    return AirflowFailException(str(exc))
+
+
+class RetentionPlanOperator(BaseOperator):
+    """Freeze the run's cutoff, ensure the ledger, register the run and plan its chunks.
+
+    Returns the plan as a list of keyword-argument dicts for
+    ``RetentionChunkOperator.partial(...).expand_kwargs(...)`` and pushes a small run summary under the
+    XCom key ``run`` for :class:`~airflow_retention.sensors.retention.RetentionCompleteSensor`. A cleared
+    or retried planner of the same run returns the plan stored in the ledger.
+
+    :param policy: the retention policy.
+    :param max_chunks: the most chunks to plan; default Airflow's ``[core] max_map_length``.
+    """
+
+    template_fields: Sequence[str] = ()
+    ui_color = "#e8f0fe"
+
+    def __init__(self, *, policy: RetentionPolicy, max_chunks: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.policy = policy
+        self.max_chunks = max_chunks
+
+    @cached_property
+    def hook(self) -> RetentionHook:
+        return RetentionHook(policy=self.policy)
+
+    def execute(self, context: Context) -> list[dict[str, Any]]:
+        limit = conf.getint("core", "max_map_length", fallback=1024)
+        max_chunks = min(self.max_chunks or limit, limit)
+        try:
+            cutoff = cutoff_from_context(self.policy, context)
+            self.log.info(
+                "policy %s: cutoff frozen at %s (run date minus %s)",
+                self.policy.name,
+                format_cutoff(cutoff),
+                self.policy.retention,
+            )
+            plan = self.hook.plan(cutoff, max_chunks=max_chunks, planned_by=attempt_from_context(context).label())
+        except (PermanentError, PolicyError) as exc:
+            raise fail_fast(exc) from exc
+        self.log.info(
+            "run %s: %s %d chunk(s), %d row(s) eligible at planning, chunk_rows %d",
+            plan.run_key,
+            "reusing the stored plan of" if plan.reused else "planned",
+            len(plan.chunks),
+            plan.rows_planned,
+            plan.chunk_rows,
+        )
+        if not plan.chunks:
+            self.log.info("run %s: nothing eligible; recorded complete with 0 rows", plan.run_key)
+        context["ti"].xcom_push(
+            key=RUN_XCOM_KEY,
+            value={
+                "run_key": plan.run_key,
+                "cutoff": format_cutoff(plan.cutoff),
+                "chunk_keys": [c.key for c in plan.chunks],
+                "rows_planned": plan.rows_planned,
+            },
+        )
+        return plan.expand_kwargs()
+
+
+class RetentionChunkOperator(BaseOperator):
+    """Delete the eligible rows of one chunk in bounded batches, recording each batch in the ledger.
+
+    Usually mapped over a plan: ``RetentionChunkOperator.partial(policy=...).expand_kwargs(plan.output)``;
+    usable alone in any DAG with an explicit range. Returns a small summary (rows deleted, batches,
+    seconds, already complete or not). A chunk already complete in the ledger is a no-op.
+
+    :param policy: the retention policy.
+    :param lo: first key of the chunk's range (inclusive).
+    :param hi: end of the chunk's range (exclusive).
+    :param tenants: tenant values (as text) the chunk covers; None for every row in the range.
+    :param cutoff: the run's frozen cutoff (ISO 8601); default: frozen from this run's date.
+    :param chunk_key: the chunk's identity in the ledger; default derived from tenants and range.
+    :param rows_planned: eligible rows at planning time, for the logs.
+    """
+
+    template_fields: Sequence[str] = ("cutoff", "lo", "hi", "tenants", "chunk_key")
+    ui_color = "#fce8e6"
+
+    def __init__(
+        self,
+        *,
+        policy: RetentionPolicy,
+        lo: int | str,
+        hi: int | str,
+        tenants: Sequence[Any] | None = None,
+        cutoff: str | datetime | None = None,
+        chunk_key: str | None = None,
+        rows_planned: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("map_index_template", "{{ task.chunk_label }}")
+        super().__init__(**kwargs)
+        self.policy = policy
+        self.lo = lo
+        self.hi = hi
+        self.tenants = tenants
+        self.cutoff = cutoff
+        self.chunk_key = chunk_key
+        self.rows_planned = rows_planned
+
+    @cached_property
+    def hook(self) -> RetentionHook:
+        return RetentionHook(policy=self.policy)
+
+    def _chunk(self) -> ChunkSpec:
+        try:
+            lo, hi = int(self.lo), int(self.hi)
+        except (TypeError, ValueError):
+            raise AirflowFailException(f"chunk range must be integers, got lo={self.lo!r} hi={self.hi!r}") from None
+        tenants = tuple(str(t) for t in self.tenants) if self.tenants is not None else None
+        return ChunkSpec(
+            key=self.chunk_key or make_chunk_key(tenants, lo, hi),
+            lo=lo,
+            hi=hi,
+            tenants=tenants,
+            rows_planned=self.rows_planned,
+        )
+
+    @property
+    def chunk_label(self) -> str:
+        """Shown by the UI instead of the map index: "tenant 7 · ids 120000-129999"."""
+        try:
+            return self._chunk().label()
+        except AirflowFailException:
+            return f"ids {self.lo}-{self.hi}"
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        chunk = self._chunk()
+        try:
+            cutoff = parse_cutoff(self.cutoff) if self.cutoff else cutoff_from_context(self.policy, context)
+            self.log.info(
+                "policy %s: chunk %s (%s), cutoff %s, batch size %d%s",
+                self.policy.name,
+                chunk.key,
+                chunk.label(),
+                format_cutoff(cutoff),
+                self.policy.batch_size,
+                f", {chunk.rows_planned} row(s) eligible at planning" if chunk.rows_planned is not None else "",
+            )
+            result = self.hook.run_chunk(cutoff, chunk, attempt_from_context(context))
+        except (PermanentError, PolicyError) as exc:
+            raise fail_fast(exc) from exc
+        summary = result.summary()
+        if result.already_complete:
+            self.log.info("chunk %s: already complete in the ledger; nothing deleted", chunk.key)
+        else:
+            self.log.info(
+                "chunk %s: %s %d row(s) in %d batch(es), %.1f s%s",
+                chunk.key,
+                "would delete" if self.policy.dry_run else "deleted",
+                result.rows_matched if self.policy.dry_run else result.rows_deleted,
+                result.batches,
+                result.seconds,
+                f", resumed from id {result.resumed_from}" if result.resumed_from is not None else "",
+            )
+        return summary
