@@ -48,8 +48,12 @@ def _admin(dsn: str = DSN) -> Any:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    with _admin() as conn, conn.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{E2E_DB}"')
+    conn = _admin()
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{E2E_DB}"')
+    finally:
+        conn.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

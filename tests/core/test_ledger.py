@@ -1,0 +1,150 @@
+"""The ledger tables: creation, migration guard, concurrency of ensure(), idempotent registration."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from tests.conftest import connect
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.ledger import SCHEMA_VERSION, ChunkSpec, Ledger, RunRecord
+
+from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar
+
+
+def _tables(admin: Any, schema: str) -> list[str]:
+    return [
+        r[0]
+        for r in rows(
+            admin, "SELECT tablename FROM pg_tables WHERE schemaname = %(s)s ORDER BY tablename", {"s": schema}
+        )
+    ]
+
+
+def test_ensure_creates_and_is_idempotent(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    assert ledger.version(conn) is None
+    assert ledger.ensure(conn) == SCHEMA_VERSION
+    assert _tables(admin, f"{schema}_ledger") == ["chunks", "ledger_version", "runs"]
+    migrated = scalar(admin, f'SELECT migrated_at FROM "{schema}_ledger".ledger_version')
+    assert ledger.ensure(conn) == SCHEMA_VERSION
+    assert ledger.version(conn) == SCHEMA_VERSION
+    # An up-to-date ledger is only read: no second migration.
+    assert rows(admin, f'SELECT version, migrated_at FROM "{schema}_ledger".ledger_version') == [
+        (SCHEMA_VERSION, migrated)
+    ]
+
+
+def test_concurrent_ensure_on_a_fresh_schema(schema: str, conn: Any, admin: Any, driver: str) -> None:
+    ledger_schema = f"{schema}_ledger"
+    callers = 8
+    barrier = threading.Barrier(callers)
+    results: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        c = connect(driver)
+        try:
+            barrier.wait(timeout=30)
+            version = Ledger(ledger_schema).ensure(c)
+            with lock:
+                results.append(version)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            with lock:
+                errors.append(exc)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=work) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert results == [SCHEMA_VERSION] * callers
+    assert Ledger(ledger_schema).version(conn) == SCHEMA_VERSION
+    assert scalar(admin, f'SELECT count(*) FROM "{ledger_schema}".ledger_version') == 1
+    assert _tables(admin, ledger_schema) == ["chunks", "ledger_version", "runs"]
+
+
+def test_newer_ledger_is_refused(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    ledger.ensure(conn)
+    rows(admin, f'UPDATE "{schema}_ledger".ledger_version SET version = %(v)s', {"v": SCHEMA_VERSION + 1})
+    with pytest.raises(PermanentError, match="newer than this airflow-retention"):
+        ledger.ensure(conn)
+
+
+def _record(key: str, chunks: int) -> RunRecord:
+    """A run record; its policy is derived from the key, as the ledger allows one run per policy and cutoff."""
+    return RunRecord(
+        run_key=key,
+        policy=key.replace("@", "_"),
+        target_table="public.t",
+        cutoff=CUTOFF,
+        dry_run=False,
+        chunk_rows=10,
+        batch_size=5,
+        chunks_expected=chunks,
+        rows_planned=chunks * 10,
+        planned_by="test",
+    )
+
+
+def test_register_run_and_chunks_are_idempotent(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    ledger.ensure(conn)
+    chunk = ChunkSpec(key="t=a:1-11", lo=1, hi=11, tenants=("a",), seq=0, rows_planned=10)
+    created = []
+    for _ in range(2):
+        with dbapi.transaction(conn) as cur:
+            created.append(ledger.register_run(cur, _record("p@x", 1)))
+            ledger.insert_chunk(cur, "p@x", chunk)
+    assert created == [True, False]
+    assert ledger.stored_plan(conn, "p@x") == [chunk]
+    stored = ledger_chunks(admin, f"{schema}_ledger", "p@x")
+    assert len(stored) == 1
+    assert (stored[0]["state"], stored[0]["next_key"], stored[0]["rows_deleted"]) == ("pending", 1, 0)
+
+
+def test_empty_run_is_complete_at_registration(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    ledger.ensure(conn)
+    with dbapi.transaction(conn) as cur:
+        ledger.register_run(cur, _record("p@empty", 0))
+        ledger.register_run(cur, _record("p@lone", 0), complete_if_empty=False)
+    empty = ledger_run(admin, f"{schema}_ledger", "p@empty")
+    assert empty is not None
+    assert (empty["state"], empty["rows_deleted"], empty["chunks_completed"]) == ("complete", 0, 0)
+    assert empty["completed_at"] is not None
+    lone = ledger_run(admin, f"{schema}_ledger", "p@lone")
+    assert lone is not None
+    assert (lone["state"], lone["completed_at"]) == ("planned", None)
+
+
+def test_complete_run_sums_chunks_and_first_verification_wins(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    ledger.ensure(conn)
+    with dbapi.transaction(conn) as cur:
+        ledger.register_run(cur, _record("p@y", 2))
+        ledger.insert_chunks(cur, "p@y", [ChunkSpec("a", 1, 11, seq=0), ChunkSpec("b", 11, 21, seq=1)])
+    rows(
+        admin,
+        f'UPDATE "{schema}_ledger".chunks SET state = \'complete\', rows_deleted = 7, rows_archived = 2'
+        " WHERE chunk_key = 'a'",
+    )
+    rows(admin, f'UPDATE "{schema}_ledger".chunks SET rows_deleted = 3 WHERE chunk_key = \'b\'')
+    first = ledger.complete_run(conn, "p@y", "verifier-1")
+    assert (first["state"], first["chunks_completed"], first["rows_deleted"], first["rows_archived"]) == (
+        "complete",
+        1,
+        10,
+        2,
+    )
+    second = ledger.complete_run(conn, "p@y", "verifier-2")
+    assert second["verified_by"] == "verifier-1"
+    assert second["completed_at"] == first["completed_at"]

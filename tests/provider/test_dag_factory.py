@@ -1,0 +1,68 @@
+"""The DAG a policy becomes: its shape and settings."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from airflow_retention.core.policy import RetentionPolicy
+
+pytestmark = pytest.mark.airflow
+
+POLICY = RetentionPolicy(
+    name="shape",
+    conn_id="retention_target",
+    table="public.things",
+    key_column="id",
+    timestamp_column="created_at",
+    retention="30 days",
+    pool="retention_pool",
+    max_active_chunks=3,
+    retries=5,
+    tags=("team-a",),
+)
+
+
+def test_one_dag_per_policy_with_safe_defaults() -> None:
+    from airflow_retention.dag_factory import build_dag
+
+    dag = build_dag(POLICY)
+    assert dag.dag_id == "retention_shape"
+    assert dag.max_active_runs == 1
+    assert dag.catchup is False
+    assert "retention" in dag.tags and "team-a" in dag.tags
+    assert "30 days" in dag.doc_md and "cutoff" in dag.doc_md.lower()
+    plan = dag.task_dict["retention_shape.plan"]
+    chunks = dag.task_dict["retention_shape.purge_chunk"]
+    verify = dag.task_dict["retention_shape.verify"]
+    assert plan.retries == 5 and plan.retry_exponential_backoff
+    assert plan.max_retry_delay == timedelta(minutes=10)
+    assert chunks.pool == "retention_pool"
+    assert chunks.max_active_tis_per_dagrun == 3
+    assert chunks.map_index_template == "{{ task.chunk_label }}"
+    assert verify.trigger_rule == "all_done"
+    assert verify.mode == "reschedule"
+    assert verify.upstream_task_ids == {"retention_shape.purge_chunk", "retention_shape.plan"} or (
+        verify.upstream_task_ids == {"retention_shape.purge_chunk"}
+    )
+    assert chunks.upstream_task_ids == {"retention_shape.plan"}
+
+
+def test_task_group_drops_into_any_dag() -> None:
+    from airflow.sdk import DAG
+
+    from airflow_retention.dag_factory import retention_task_group
+
+    with DAG(dag_id="host", schedule=None) as dag:
+        group = retention_task_group(POLICY, group_id="cleanup", max_chunks=10)
+    assert group.group_id == "cleanup"
+    assert {"cleanup.plan", "cleanup.purge_chunk", "cleanup.verify"} == set(dag.task_dict)
+    assert dag.task_dict["cleanup.plan"].max_chunks == 10
+
+
+def test_chunk_label_reads_well() -> None:
+    from airflow_retention.operators.retention import RetentionChunkOperator
+
+    op = RetentionChunkOperator(task_id="c", policy=POLICY, lo=120000, hi=130000, tenants=[7])
+    assert op.chunk_label == "tenant 7 · ids 120000-129999"

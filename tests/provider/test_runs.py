@@ -1,0 +1,218 @@
+"""Retention DAGs run by a real Airflow 3 (``dag.test()``) against the real PostgreSQL: the tables and
+the ledger afterwards."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from airflow_retention.core.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.policy import load_policies
+from tests.provider.conftest import TEST_POLICIES, load_dag, query, resume, task_instances, utc, xcom_values
+from tests.conftest import POLICIES_FILE
+
+pytestmark = pytest.mark.airflow
+
+LEDGER = Ledger("airflow_t_ledger")
+
+
+def orders_policy() -> Any:
+    (policy,) = load_policies(TEST_POLICIES)
+    return policy
+
+
+def ledger_run(conn: Any, day: str, policy: Any = None) -> dict[str, Any] | None:
+    policy = policy or orders_policy()
+    return Ledger(policy.ledger_schema).get_run(conn, run_key(policy, freeze_cutoff(policy, utc(day))))
+
+
+def eligible(conn: Any, day: str) -> int:
+    cutoff = freeze_cutoff(orders_policy(), utc(day))
+    return query(conn, "SELECT count(*) FROM airflow_t.orders WHERE created_at < %s AND status <> 'open'", (cutoff,))[
+        0
+    ][0]
+
+
+def kept(conn: Any, day: str) -> list[tuple[Any, ...]]:
+    """Ids of the rows a lone run of ``day`` must leave."""
+    cutoff = freeze_cutoff(orders_policy(), utc(day))
+    return query(
+        conn,
+        "SELECT array_agg(id ORDER BY id) FROM airflow_t.orders WHERE NOT (created_at < %s AND status <> 'open')",
+        (cutoff,),
+    )
+
+
+def test_every_example_dag_end_to_end(target: Any) -> None:
+    from airflow_retention.demo.seed import Shape, seed_examples, snapshot
+
+    policies = load_policies(POLICIES_FILE)
+    day = "2026-06-05"
+    cutoffs = {p.name: freeze_cutoff(p, utc(day)) for p in policies}
+    seed_examples(target, utc("2026-06-10"), {n: [c] for n, c in cutoffs.items()}, Shape(20_000, 40_000, 10_000))
+    before = {p.name: snapshot(target, p, cutoffs[p.name]) for p in policies}
+    for policy in policies:
+        assert before[policy.name].eligible > 0
+        dag_run = load_dag(f"retention_{policy.name}").test(logical_date=utc(day))
+        assert dag_run.state == "success"
+        after = snapshot(target, policy, cutoffs[policy.name])
+        assert after.eligible == 0
+        assert (after.total, after.keep_checksum) == (before[policy.name].keep_count, before[policy.name].keep_checksum)
+        run = Ledger(policy.ledger_schema).get_run(target, run_key(policy, cutoffs[policy.name]))
+        assert run is not None and run["state"] == "complete"
+        assert run["rows_deleted"] == before[policy.name].eligible
+        assert run["chunks_completed"] == run["chunks_expected"] >= 1
+        if policy.archive_table is not None:
+            assert query(target, f"SELECT count(*) FROM {policy.archive_table.sql}")[0][0] == run["rows_deleted"]
+        labels = [ti.rendered_map_index for ti in task_instances(dag_run) if ti.task_id.endswith("purge_chunk")]
+        assert labels and all("ids " in (label or "") for label in labels)
+        if policy.tenant_column:
+            assert any(label.startswith("tenant") or "tenants" in label for label in labels)
+
+
+def test_backfill_in_any_order_leaves_what_a_lone_latest_run_leaves(target: Any) -> None:
+    expected = kept(target, "2026-02-10")
+    dag = load_dag("retention_t_orders")
+    for day in ("2026-02-10", "2026-02-01", "2026-02-05"):
+        assert dag.test(logical_date=utc(day)).state == "success"
+    assert kept(target, "2026-02-10") == expected
+    assert query(target, "SELECT array_agg(id ORDER BY id) FROM airflow_t.orders") == expected
+    assert eligible(target, "2026-02-10") == 0
+    runs = {day: ledger_run(target, day) for day in ("2026-02-01", "2026-02-05", "2026-02-10")}
+    assert all(run is not None and run["state"] == "complete" for run in runs.values())
+    # Earlier cutoffs find their rows already gone: complete, with nothing to do.
+    assert runs["2026-02-10"]["rows_deleted"] > 0
+    assert runs["2026-02-01"]["rows_deleted"] == runs["2026-02-05"]["rows_deleted"] == 0
+
+
+def test_rerunning_a_completed_run_deletes_nothing_and_keeps_one_completion(target: Any) -> None:
+    dag = load_dag("retention_t_orders")
+    first = dag.test(logical_date=utc("2026-02-05"))
+    assert first.state == "success"
+    key = ledger_run(target, "2026-02-05")["run_key"]
+    chunks_before = LEDGER.chunk_rows(target, key)
+    assert len(chunks_before) > 3
+    rows_before = query(target, "SELECT count(*) FROM airflow_t.orders")[0][0]
+    query(target, "INSERT INTO airflow_t.orders VALUES (999999, 1, '2026-01-02', 'closed') RETURNING id")
+
+    second = dag.test(logical_date=utc("2026-02-05"))
+    assert second.state == "success"
+    # The stored plan is reused: the late row (eligible, but not planned) is left for the next run.
+    assert query(target, "SELECT count(*) FROM airflow_t.orders")[0][0] == rows_before + 1
+    chunks_after = LEDGER.chunk_rows(target, key)
+    assert [(c["chunk_key"], c["completed_at"], c["completed_run_id"], c["rows_deleted"]) for c in chunks_after] == [
+        (c["chunk_key"], c["completed_at"], c["completed_run_id"], c["rows_deleted"]) for c in chunks_before
+    ]
+    summaries = xcom_values(second, "retention_t_orders.purge_chunk")
+    assert len(summaries) == len(chunks_before)
+    assert all(s["already_complete"] and s["rows_deleted"] == 0 for s in summaries)
+    assert ledger_run(target, "2026-02-05")["rows_deleted"] == sum(c["rows_deleted"] for c in chunks_before)
+
+
+def test_a_failed_chunk_cleared_alone_reruns_alone_and_the_run_completes(
+    target: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import psycopg2
+
+    from tests.conftest import E2E_DSN
+
+    dag = load_dag("retention_t_orders")
+    locker = psycopg2.connect(E2E_DSN)
+    try:
+        with locker.cursor() as cur:  # hold a lock on one eligible row of tenant 5 for the first attempt
+            cur.execute(
+                "SELECT id FROM airflow_t.orders WHERE tenant_id = 5 AND created_at < '2026-01-20' AND status <> 'open'"
+                " ORDER BY id LIMIT 1 FOR UPDATE"
+            )
+            (locked_id,) = cur.fetchone()
+        failed_run = dag.test(logical_date=utc("2026-02-05"))
+    finally:
+        locker.rollback()
+        locker.close()
+    assert failed_run.state == "failed"
+    tis = task_instances(failed_run)
+    failed = [ti for ti in tis if ti.state == "failed" and ti.task_id.endswith("purge_chunk")]
+    assert len(failed) == 1
+    verify = next(ti for ti in tis if ti.task_id.endswith("verify"))
+    assert verify.state == "failed"
+    key = ledger_run(target, "2026-02-05")["run_key"]
+    chunks = {c["chunk_key"]: c for c in LEDGER.chunk_rows(target, key)}
+    incomplete = [k for k, c in chunks.items() if c["state"] != "complete"]
+    assert len(incomplete) == 1 and "lock timeout" in (chunks[incomplete[0]]["last_error"] or "")
+    assert incomplete[0] in capfd.readouterr().out  # the sensor named the missing chunk
+    assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE id = %s", (locked_id,))[0][0] == 1
+
+    done_before = {k: (c["completed_at"], c["attempts"]) for k, c in chunks.items() if c["state"] == "complete"}
+    failed_index = failed[0].map_index
+    finished = resume(
+        dag,
+        failed_run,
+        lambda ti: (ti.task_id.endswith("purge_chunk") and ti.map_index == failed_index)
+        or ti.task_id.endswith("verify"),
+    )
+    assert finished.state == "success"
+    after = {c["chunk_key"]: c for c in LEDGER.chunk_rows(target, key)}
+    assert all(c["state"] == "complete" for c in after.values())
+    assert {k: (after[k]["completed_at"], after[k]["attempts"]) for k in done_before} == done_before
+    assert after[incomplete[0]]["completed_try_number"] == 2
+    assert ledger_run(target, "2026-02-05")["state"] == "complete"
+    assert eligible(target, "2026-02-05") == 0
+
+
+def test_a_chunk_marked_success_without_running_is_caught(target: Any, capfd: pytest.CaptureFixture[str]) -> None:
+    dag_run = load_dag("retention_t_orders").test(
+        logical_date=utc("2026-02-05"), mark_success_pattern=r".*purge_chunk"
+    )
+    assert dag_run.state == "failed"
+    verify = next(ti for ti in task_instances(dag_run) if ti.task_id.endswith("verify"))
+    assert verify.state == "failed"
+    run = ledger_run(target, "2026-02-05")
+    assert run["state"] == "planned"
+    pending = [c["chunk_key"] for c in LEDGER.chunk_rows(target, run["run_key"])]
+    out = capfd.readouterr().out
+    assert f"0 of {len(pending)} expected chunk(s) complete" in out
+    assert pending[0] in out
+    assert eligible(target, "2026-02-05") > 0
+
+
+def test_nothing_eligible_ends_green_with_the_run_recorded(target: Any) -> None:
+    dag_run = load_dag("retention_t_orders").test(logical_date=utc("2026-01-05"))
+    assert dag_run.state == "success"
+    run = ledger_run(target, "2026-01-05")
+    assert run["state"] == "complete"
+    assert (run["chunks_expected"], run["rows_deleted"]) == (0, 0)
+
+
+def test_chunk_count_never_exceeds_max_map_length(target: Any) -> None:
+    os.environ["AIRFLOW__CORE__MAX_MAP_LENGTH"] = "3"
+    try:
+        dag_run = load_dag("retention_t_orders").test(logical_date=utc("2026-02-25"))
+    finally:
+        del os.environ["AIRFLOW__CORE__MAX_MAP_LENGTH"]
+    assert dag_run.state == "success"
+    run = ledger_run(target, "2026-02-25")
+    assert 1 <= run["chunks_expected"] <= 3
+    assert run["chunk_rows"] > orders_policy().chunk_rows  # grew instead of exceeding the limit
+    assert run["state"] == "complete" and eligible(target, "2026-02-25") == 0
+
+
+def test_a_manual_run_without_logical_date_freezes_its_run_after(target: Any) -> None:
+    run_after = utc("2026-02-07")
+    dag_run = load_dag("retention_t_orders").test(logical_date=None, run_after=run_after)
+    assert dag_run.state == "success"
+    run = ledger_run(target, "2026-02-07")
+    assert run is not None and run["state"] == "complete"
+
+
+def test_task_group_and_lone_chunk_reused_in_another_dag(target: Any) -> None:
+    dag_run = load_dag("reuse_pipeline").test(logical_date=utc("2026-02-05"))
+    assert dag_run.state == "success"
+    states = {ti.task_id: ti.state for ti in task_instances(dag_run)}
+    assert states["retention_reuse_orders.verify"] == "success"
+    assert states["lone_chunk"] == states["report"] == "success"
+    assert eligible(target, "2026-02-05") == 0
+    assert query(target, "SELECT count(*) FROM airflow_t.audit WHERE at < '2026-02-04'")[0][0] == 0
+    assert query(target, "SELECT count(*) FROM airflow_t.audit")[0][0] > 0
