@@ -26,7 +26,10 @@ class Verification:
         if not self.run_found:
             return f"run {self.run_key}: not in the ledger (never planned)"
         if self.ok:
-            return f"run {self.run_key}: all {self.expected} expected chunk(s) complete, {self.rows_deleted} row(s) deleted"
+            return (
+                f"run {self.run_key}: all {self.expected} expected chunk(s) complete,"
+                f" {self.rows_deleted} row(s) deleted"
+            )
         return (
             f"run {self.run_key}: {self.complete} of {self.expected} expected chunk(s) complete;"
             f" missing: {', '.join(self.missing[:20])}" + (" …" if len(self.missing) > 20 else "")

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def checks(conn: Any, policies: list[Any], before: dict[str, Any], cutoffs: dict[str, Any], lines: list[RunLine]) -> list[str]:
+def checks(
+    conn: Any, policies: list[Any], before: dict[str, Any], cutoffs: dict[str, Any], lines: list[RunLine]
+) -> list[str]:
     from airflow_retention.core.ledger import Ledger
     from airflow_retention.demo.seed import snapshot
 

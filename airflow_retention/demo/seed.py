@@ -52,7 +52,8 @@ CREATE TABLE audit.audit_log_archive (LIKE audit.audit_log);
 WEBHOOKS_SQL = """
 INSERT INTO public.webhook_deliveries (created_at, status, next_attempt_at, endpoint, payload)
 SELECT ts,
-       CASE WHEN r < 0.70 THEN 'delivered' WHEN r < 0.80 THEN 'abandoned' WHEN r < 0.90 THEN 'failed' ELSE 'pending' END,
+       CASE WHEN r < 0.70 THEN 'delivered' WHEN r < 0.80 THEN 'abandoned'
+            WHEN r < 0.90 THEN 'failed' ELSE 'pending' END,
        CASE WHEN r >= 0.80 OR (r >= 0.78 AND r < 0.80) THEN ts + interval '1 hour' END,
        'https://hooks.example.com/' || (g %% 97),
        repeat(md5(g::text), 4)

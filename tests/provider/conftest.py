@@ -65,7 +65,8 @@ FROM generate_series(1, 30000) i;
 CREATE INDEX ON airflow_t.orders (created_at);
 CREATE INDEX ON airflow_t.orders (tenant_id, id);
 CREATE TABLE airflow_t.audit (id bigint PRIMARY KEY, at timestamptz NOT NULL);
-INSERT INTO airflow_t.audit SELECT i, timestamptz '2026-01-01' + make_interval(hours => i * 4) FROM generate_series(1, 500) i;
+INSERT INTO airflow_t.audit
+SELECT i, timestamptz '2026-01-01' + make_interval(hours => i * 4) FROM generate_series(1, 500) i;
 CREATE INDEX ON airflow_t.audit (at);
 """
 

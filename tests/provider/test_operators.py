@@ -12,9 +12,7 @@ from airflow_retention.core.policy import RetentionPolicy
 
 pytestmark = pytest.mark.airflow
 
-POLICY = RetentionPolicy(
-    name="p", conn_id="c", table="t", key_column="id", timestamp_column="ts", retention="30 days"
-)
+POLICY = RetentionPolicy(name="p", conn_id="c", table="t", key_column="id", timestamp_column="ts", retention="30 days")
 D = datetime(2026, 3, 31, tzinfo=timezone.utc)
 
 

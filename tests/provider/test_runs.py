@@ -11,8 +11,8 @@ import pytest
 from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import load_policies
-from tests.provider.conftest import TEST_POLICIES, load_dag, query, resume, task_instances, utc, xcom_values
 from tests.conftest import POLICIES_FILE
+from tests.provider.conftest import TEST_POLICIES, load_dag, query, resume, task_instances, utc, xcom_values
 
 pytestmark = pytest.mark.airflow
 
@@ -150,8 +150,9 @@ def test_a_failed_chunk_cleared_alone_reruns_alone_and_the_run_completes(
     finished = resume(
         dag,
         failed_run,
-        lambda ti: (ti.task_id.endswith("purge_chunk") and ti.map_index == failed_index)
-        or ti.task_id.endswith("verify"),
+        lambda ti: (
+            (ti.task_id.endswith("purge_chunk") and ti.map_index == failed_index) or ti.task_id.endswith("verify")
+        ),
     )
     assert finished.state == "success"
     after = {c["chunk_key"]: c for c in LEDGER.chunk_rows(target, key)}
@@ -163,9 +164,7 @@ def test_a_failed_chunk_cleared_alone_reruns_alone_and_the_run_completes(
 
 
 def test_a_chunk_marked_success_without_running_is_caught(target: Any, capfd: pytest.CaptureFixture[str]) -> None:
-    dag_run = load_dag("retention_t_orders").test(
-        logical_date=utc("2026-02-05"), mark_success_pattern=r".*purge_chunk"
-    )
+    dag_run = load_dag("retention_t_orders").test(logical_date=utc("2026-02-05"), mark_success_pattern=r".*purge_chunk")
     assert dag_run.state == "failed"
     verify = next(ti for ti in task_instances(dag_run) if ti.task_id.endswith("verify"))
     assert verify.state == "failed"
