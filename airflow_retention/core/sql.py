@@ -80,7 +80,8 @@ def group_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
         return f"SELECT NULL::text, count(*), min({key}), max({key}) FROM {table}\nWHERE {pred}"
     tenant = quote_ident(policy.tenant_column)
     return (
-        f"SELECT {tenant}::text, count(*), min({key}), max({key}) FROM {table}\nWHERE {pred}\n"
+        # The alias keeps ORDER BY on the column's own type (numeric tenants in numeric order).
+        f"SELECT {tenant}::text AS tenant_value, count(*), min({key}), max({key}) FROM {table}\nWHERE {pred}\n"
         f"GROUP BY {tenant}\nORDER BY {tenant}"
     )
 

@@ -201,7 +201,7 @@ class RetentionChunkOperator(BaseOperator):
             self.log.info("chunk %s: already complete in the ledger; nothing deleted", chunk.key)
         else:
             self.log.info(
-                "chunk %s: %s %d row(s) in %d batch(es), %.1f s%s",
+                "chunk %s: %s %d row(s) in %d batch(es), %.2f s%s",
                 chunk.key,
                 "would delete" if self.policy.dry_run else "deleted",
                 result.rows_matched if self.policy.dry_run else result.rows_deleted,

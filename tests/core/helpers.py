@@ -122,7 +122,9 @@ def make_policy(schema: str, **overrides: Any) -> RetentionPolicy:
 
 
 def ids(admin: Any, table_sql: str, where: str = "true", params: Mapping[str, Any] | None = None) -> set[int]:
-    return {r[0] for r in rows(admin, f"SELECT id FROM {table_sql} WHERE {where}", {"cutoff": CUTOFF, **(params or {})})}
+    return {
+        r[0] for r in rows(admin, f"SELECT id FROM {table_sql} WHERE {where}", {"cutoff": CUTOFF, **(params or {})})
+    }
 
 
 def eligible_ids(admin: Any, table_sql: str, cutoff: datetime = CUTOFF, extra: str = "true") -> list[int]:

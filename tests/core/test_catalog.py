@@ -131,3 +131,16 @@ def test_catalog_check_leaves_the_connection_idle(schema: str, conn: Any, admin:
         " WHERE l.relation = %(t)s::regclass AND a.pid <> pg_backend_pid()",
         {"t": f'"{schema}".events'},
     )
+
+
+def test_archive_table_resolving_to_the_target_itself_is_refused(schema: str, conn: Any, admin: Any) -> None:
+    """``table: <schema>.events`` and ``archive_table: events`` name one table when the schema is on the
+    search_path. The purge would then "move" each row into the table it came from: nothing is deleted
+    while the ledger counts every row as deleted and archived."""
+    create_events(admin, schema)
+    with conn.cursor() as cur:
+        cur.execute(f'SET search_path TO "{schema}"')
+    conn.commit()
+    policy = make_policy(schema, archive_table="events")
+    message = permanent(conn, policy)
+    assert "field 'archive_table'" in message

@@ -4,7 +4,6 @@ what the ledger says, under replays, kills, concurrent attempts, locks and timeo
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -83,10 +82,15 @@ def test_full_purge_of_a_large_multi_tenant_table(schema: str, conn: Any, admin:
     expected = scalar(admin, f"SELECT count(*) FROM {s}.expected")
     at_cutoff = scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at = %(cutoff)s", {"cutoff": CUTOFF})
     just_before = "created_at = %(cutoff)s::timestamptz - interval '1 microsecond'"
-    just_before_open = scalar(admin, f"SELECT count(*) FROM {table} WHERE {just_before} AND status = 'open'", {"cutoff": CUTOFF})
+    just_before_open = scalar(
+        admin, f"SELECT count(*) FROM {table} WHERE {just_before} AND status = 'open'", {"cutoff": CUTOFF}
+    )
     assert 90_000 < expected < 110_000
     assert at_cutoff > 2000  # 200 placed exactly at it, and the hour grid lands on it too
-    assert scalar(admin, f"SELECT count(*) FROM {table} WHERE {just_before} AND status <> 'open'", {"cutoff": CUTOFF}) > 150
+    assert (
+        scalar(admin, f"SELECT count(*) FROM {table} WHERE {just_before} AND status <> 'open'", {"cutoff": CUTOFF})
+        > 150
+    )
 
     policy = make_policy(schema, tenant_column="tenant_id", chunk_rows=20_000, batch_size=2_000)
     plan = plan_run(conn, policy, CUTOFF)
@@ -94,7 +98,15 @@ def test_full_purge_of_a_large_multi_tenant_table(schema: str, conn: Any, admin:
     assert len(plan.chunks) >= 6
     assert any(c.tenants is not None and len(c.tenants) > 1 for c in plan.chunks)
     # Eligible rows that arrive after planning in no planned range survive this run.
-    fill_events(admin, table, 50, first_id=BIG + 100_001, tenant="1", created="%(cutoff)s::timestamptz - interval '9 days'", status="'closed'")
+    fill_events(
+        admin,
+        table,
+        50,
+        first_id=BIG + 100_001,
+        tenant="1",
+        created="%(cutoff)s::timestamptz - interval '9 days'",
+        status="'closed'",
+    )
 
     results: list[ChunkResult] = []
     for chunk in plan.chunks:
@@ -102,15 +114,23 @@ def test_full_purge_of_a_large_multi_tenant_table(schema: str, conn: Any, admin:
 
     # No planned eligible row remains, and nothing else is gone.
     assert scalar(admin, f"SELECT count(*) FROM {table} JOIN {s}.expected USING (id)") == 0
-    assert scalar(
-        admin,
-        f"SELECT count(*) FROM {s}.before b WHERE NOT EXISTS (SELECT FROM {table} e WHERE e.id = b.id)"
-        f" AND NOT EXISTS (SELECT FROM {s}.expected x WHERE x.id = b.id)",
-    ) == 0
+    assert (
+        scalar(
+            admin,
+            f"SELECT count(*) FROM {s}.before b WHERE NOT EXISTS (SELECT FROM {table} e WHERE e.id = b.id)"
+            f" AND NOT EXISTS (SELECT FROM {s}.expected x WHERE x.id = b.id)",
+        )
+        == 0
+    )
     assert scalar(admin, f"SELECT count(*) FROM {table}") == BIG - expected + 50
     assert scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at = %(cutoff)s", {"cutoff": CUTOFF}) == at_cutoff
     assert scalar(admin, f"SELECT count(*) FROM {table} WHERE {just_before}", {"cutoff": CUTOFF}) == just_before_open
-    assert scalar(admin, f"SELECT count(*) FROM {table} WHERE status = 'open' AND created_at < %(cutoff)s", {"cutoff": CUTOFF}) > 10_000
+    assert (
+        scalar(
+            admin, f"SELECT count(*) FROM {table} WHERE status = 'open' AND created_at < %(cutoff)s", {"cutoff": CUTOFF}
+        )
+        > 10_000
+    )
     assert len(ids(admin, table, f"id > {BIG}")) == 50
 
     # The ledger agrees with the table: every chunk complete once, by try 1, with what it deleted.
@@ -226,7 +246,7 @@ def test_killed_process_resumes_after_its_last_committed_batch(
     gone = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(a)s"
     wait_for(lambda: scalar(admin, gone, {"a": app}) == 0, 15, "the killed session to end")
 
-    state, next_key, deleted, batches, attempts = progress(admin, policy, plan.run_key, chunk)
+    state, next_key, deleted, batches, _ = progress(admin, policy, plan.run_key, chunk)
     assert state == "running"
     assert chunk.lo < next_key < chunk.hi
     assert batches >= 2
@@ -251,9 +271,7 @@ class Died(Exception):
     """Stands for the worker dying after the final commit, before it reported success."""
 
 
-def test_retry_after_death_between_final_commit_and_success_is_a_no_op(
-    schema: str, conn: Any, admin: Any
-) -> None:
+def test_retry_after_death_between_final_commit_and_success_is_a_no_op(schema: str, conn: Any, admin: Any) -> None:
     table = small_table(admin, schema)
     policy = make_policy(schema)
     chunk = one_chunk(conn, policy)
@@ -528,8 +546,10 @@ def test_timestamp_without_time_zone_is_read_as_utc(schema: str, conn: Any, admi
     rows(
         admin,
         f"INSERT INTO {table} (id, tenant_id, created_at, status) VALUES"
-        " (1, 1, %(n)s::timestamp - interval '1 microsecond', 'closed'), (2, 1, %(n)s::timestamp, 'closed'),"
-        " (3, 1, %(n)s::timestamp - interval '1 hour', 'closed'), (4, 1, %(n)s::timestamp + interval '1 hour', 'closed')",
+        " (1, 1, %(n)s::timestamp - interval '1 microsecond', 'closed'),"
+        " (2, 1, %(n)s::timestamp, 'closed'),"
+        " (3, 1, %(n)s::timestamp - interval '1 hour', 'closed'),"
+        " (4, 1, %(n)s::timestamp + interval '1 hour', 'closed')",
         {"n": naive},
     )
     with conn.cursor() as cur:  # a session time zone far from UTC must not move the cutoff
@@ -553,14 +573,20 @@ def test_mixed_case_and_reserved_names(schema: str, conn: Any, admin: Any) -> No
     rows(admin, f'CREATE INDEX ON {table} ("Group", "user")')
     rows(
         admin,
-        f"INSERT INTO {table} SELECT g, 'T' || mod(g, 3), %(cutoff)s::timestamptz + (mod(g, 10) - 5) * interval '1 day',"
+        f"INSERT INTO {table} SELECT g, 'T' || mod(g, 3),"
+        " %(cutoff)s::timestamptz + (mod(g, 10) - 5) * interval '1 day',"
         " CASE WHEN mod(g, 7) = 0 THEN 'open' ELSE 'closed' END FROM generate_series(1, 1000) g",
         {"cutoff": CUTOFF},
     )
     where = "\"select\" < %(cutoff)s AND status <> 'open'"
     expected = scalar(admin, f"SELECT count(*) FROM {table} WHERE {where}", {"cutoff": CUTOFF})
     policy = make_policy(
-        schema, table=f"{schema}.Order", key_column="user", timestamp_column="select", tenant_column="Group", chunk_rows=200
+        schema,
+        table=f"{schema}.Order",
+        key_column="user",
+        timestamp_column="select",
+        tenant_column="Group",
+        chunk_rows=200,
     )
     plan = plan_run(conn, policy, CUTOFF)
     assert plan.rows_planned == expected
@@ -568,6 +594,48 @@ def test_mixed_case_and_reserved_names(schema: str, conn: Any, admin: Any) -> No
     assert deleted == expected
     assert scalar(admin, f"SELECT count(*) FROM {table} WHERE {where}", {"cutoff": CUTOFF}) == 0
     assert scalar(admin, f"SELECT count(*) FROM {table}") == 1000 - expected
+
+
+TENANT_NAMES = ["NULL", "null", "a,b", 'x"y', "{z}", "back\\slash", " spaced ", "", "o'neil", "ü"]
+
+
+def test_text_tenants_with_awkward_names(schema: str, conn: Any, admin: Any) -> None:
+    """Tenant values travel as text[] parameters and in the ledger: quotes, commas, braces, 'NULL' and
+    the empty string must each reach exactly their own rows."""
+    table = create_events(admin, schema, tenant_type="text")
+    rows(admin, f'CREATE TABLE "{schema}".names (i int, n text)')
+    for i, name in enumerate(TENANT_NAMES):
+        rows(admin, f'INSERT INTO "{schema}".names VALUES (%(i)s, %(n)s)', {"i": i, "n": name})
+    pick = f'(SELECT n FROM "{schema}".names WHERE i = mod(g, {len(TENANT_NAMES)}))'
+    fill_events(admin, table, 2000, tenant=pick)
+    policy = make_policy(schema, tenant_column="tenant_id", chunk_rows=150)
+    plan = plan_run(conn, policy, CUTOFF)
+    assert sorted(t for c in plan.chunks for t in (c.tenants or ())) == sorted(TENANT_NAMES)
+    stored = Ledger(policy.ledger_schema).stored_plan(conn, plan.run_key)
+    assert [c.tenants for c in stored] == [c.tenants for c in plan.chunks]
+    for chunk in plan.chunks:
+        (tenant,) = chunk.tenants or ("?",)
+        expected = set(eligible_ids(admin, table, extra=f"tenant_id = {_literal(tenant)}"))
+        before = ids(admin, table)
+        assert run_chunk(conn, policy, CUTOFF, chunk).rows_deleted == len(expected) == chunk.rows_planned
+        assert before - ids(admin, table) == expected
+    assert eligible_ids(admin, table) == []
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def test_autocommit_connection_is_handled(schema: str, conn: Any, admin: Any) -> None:
+    table = small_table(admin, schema, 1000)
+    eligible = eligible_ids(admin, table)
+    conn.autocommit = True
+    policy = make_policy(schema)
+    plan = plan_run(conn, policy, CUTOFF)
+    result = run_chunk(conn, policy, CUTOFF, plan.chunks[0])
+    assert result.rows_deleted == len(eligible)
+    assert eligible_ids(admin, table) == []
+    assert ledger_chunk(admin, policy.ledger_schema, plan.run_key, plan.chunks[0].key)["rows_deleted"] == len(eligible)
 
 
 def test_condition_never_makes_fresh_rows_eligible(schema: str, conn: Any, admin: Any) -> None:

@@ -64,7 +64,11 @@ def test_quoted_names_reach_the_intended_objects(admin: Any, schema: str) -> Non
     rows(admin, f'CREATE TABLE "{schema}"."order" (x int)')
     rows(admin, f"INSERT INTO {table.sql} VALUES (1, 2)")
     assert scalar(admin, f"SELECT {quote_ident('user')} + {quote_ident('Select')} FROM {table.sql}") == 3
-    assert scalar(admin, "SELECT to_regclass(%(t)s)::oid <> to_regclass(%(u)s)::oid", {
-        "t": table.regclass_literal,
-        "u": f'"{schema}"."order"',
-    })
+    assert scalar(
+        admin,
+        "SELECT to_regclass(%(t)s)::oid <> to_regclass(%(u)s)::oid",
+        {
+            "t": table.regclass_literal,
+            "u": f'"{schema}"."order"',
+        },
+    )

@@ -6,11 +6,11 @@ import threading
 from typing import Any
 
 import pytest
-from tests.conftest import connect
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import SCHEMA_VERSION, ChunkSpec, Ledger, RunRecord
+from tests.conftest import connect
 
 from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar
 
@@ -134,10 +134,10 @@ def test_complete_run_sums_chunks_and_first_verification_wins(schema: str, conn:
         ledger.insert_chunks(cur, "p@y", [ChunkSpec("a", 1, 11, seq=0), ChunkSpec("b", 11, 21, seq=1)])
     rows(
         admin,
-        f'UPDATE "{schema}_ledger".chunks SET state = \'complete\', rows_deleted = 7, rows_archived = 2'
+        f"UPDATE \"{schema}_ledger\".chunks SET state = 'complete', rows_deleted = 7, rows_archived = 2"
         " WHERE chunk_key = 'a'",
     )
-    rows(admin, f'UPDATE "{schema}_ledger".chunks SET rows_deleted = 3 WHERE chunk_key = \'b\'')
+    rows(admin, f"UPDATE \"{schema}_ledger\".chunks SET rows_deleted = 3 WHERE chunk_key = 'b'")
     first = ledger.complete_run(conn, "p@y", "verifier-1")
     assert (first["state"], first["chunks_completed"], first["rows_deleted"], first["rows_archived"]) == (
         "complete",

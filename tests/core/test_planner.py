@@ -3,7 +3,9 @@ eligible row exactly once, planned once per run."""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -13,6 +15,7 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import ChunkSpec
 from airflow_retention.core.planner import MAX_TENANTS_PER_CHUNK, Plan, plan_run
 from airflow_retention.core.policy import RetentionPolicy
+from tests.conftest import connect
 
 from .helpers import (
     CUTOFF,
@@ -119,12 +122,19 @@ def test_chunks_are_bounded_and_cover_every_eligible_row_once(
     assert max(counts) <= 700
     assert counts == [c.rows_planned for c in plan.chunks]
     assert sum(counts) == plan.rows_planned == len(eligible_ids(admin, table))
-    stored = [(c["chunk_key"], c["lo"], c["hi"], c["rows_planned"]) for c in ledger_chunks(admin, policy.ledger_schema, plan.run_key)]
+    stored = [
+        (c["chunk_key"], c["lo"], c["hi"], c["rows_planned"])
+        for c in ledger_chunks(admin, policy.ledger_schema, plan.run_key)
+    ]
     assert stored == [(c.key, c.lo, c.hi, c.rows_planned) for c in plan.chunks]
     assert uncovered(admin, table, policy, plan) == []
     run = ledger_run(admin, policy.ledger_schema, plan.run_key)
     assert run is not None
-    assert (run["state"], run["chunks_expected"], run["rows_planned"]) == ("planned", len(plan.chunks), plan.rows_planned)
+    assert (run["state"], run["chunks_expected"], run["rows_planned"]) == (
+        "planned",
+        len(plan.chunks),
+        plan.rows_planned,
+    )
 
 
 @pytest.mark.parametrize(("tenant_sql", "tenant_column"), [("1", None), ("1 + mod(g, 8)", "tenant_id")])
@@ -133,7 +143,9 @@ def test_max_chunks_grows_chunk_rows(
 ) -> None:
     table = create_events(admin, schema)
     fill_events(admin, table, 8000, tenant=tenant_sql, created=OLD, status="'closed'")
-    unbounded = plan_run(conn, make_policy(schema, name="unbounded", chunk_rows=200, tenant_column=tenant_column), CUTOFF)
+    unbounded = plan_run(
+        conn, make_policy(schema, name="unbounded", chunk_rows=200, tenant_column=tenant_column), CUTOFF
+    )
     assert len(unbounded.chunks) == 40
     assert unbounded.chunk_rows == 200
     policy = make_policy(schema, name="bounded", chunk_rows=200, tenant_column=tenant_column)
@@ -169,7 +181,7 @@ def test_skewed_tenants(schema: str, conn: Any, admin: Any) -> None:
     assert chunk_counts(admin, table, plan.chunks) == [1000] * 52
     # The noisy tenant's chunks tile its key range without gaps or overlap.
     noisy = sorted(by_tenants[("1",)], key=lambda c: c.lo)
-    assert all(a.hi == b.lo for a, b in zip(noisy, noisy[1:], strict=False))
+    assert all(a.hi == b.lo for a, b in itertools.pairwise(noisy))
     assert uncovered(admin, table, policy, plan) == []
 
 
@@ -242,3 +254,35 @@ def test_cutoff_in_another_zone_is_the_same_run(schema: str, conn: Any, admin: A
     assert shifted.reused
     assert shifted.run_key == first.run_key == "events_purge@2024-06-01T12:00:00Z"
     assert shape(shifted) == shape(first)
+
+
+def test_concurrent_planners_of_one_run_agree(schema: str, conn: Any, admin: Any, driver: str) -> None:
+    """Planners racing on a fresh ledger: one plan is stored, every caller gets it."""
+    table = skewed_table(admin, schema)
+    policy = make_policy(schema, tenant_column="tenant_id", chunk_rows=1000)
+    callers = 4
+    barrier = threading.Barrier(callers)
+    plans: list[Plan] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        c = connect(driver)
+        try:
+            barrier.wait(timeout=30)
+            plans.append(plan_run(c, policy, CUTOFF))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=work) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert len(plans) == callers
+    assert sum(not p.reused for p in plans) == 1
+    assert all(shape(p) == shape(plans[0]) for p in plans)
+    assert len(ledger_chunks(admin, policy.ledger_schema, plans[0].run_key)) == len(plans[0].chunks)
+    assert plans[0].rows_planned == len(eligible_ids(admin, table))

@@ -82,7 +82,9 @@ def test_bad_name_is_refused(bad: str) -> None:
     assert info.value.field == "name"
 
 
-@pytest.mark.parametrize("value", INJECTIONS + ["public.users.extra", "public.", ".users", "public.users; drop table x"])
+@pytest.mark.parametrize(
+    "value", [*INJECTIONS, "public.users.extra", "public.", ".users", "public.users; drop table x"]
+)
 def test_bad_table_name_is_refused(value: str) -> None:
     refused("table", table=value)
 
@@ -300,7 +302,11 @@ def test_lenient_load_keeps_good_policies_and_names_the_bad_ones(tmp_path: Path)
     assert [p.name for p in policies] == ["good_one", "good_two"]
     assert policies[0].table == TableName("public", "a")
     assert policies[1].retention == Retention(months=12)
-    assert [(e.policy, e.field) for e in errors] == [("bad_one", "batch_size"), ("good_one", "name"), ("injected", "table")]
+    assert [(e.policy, e.field) for e in errors] == [
+        ("bad_one", "batch_size"),
+        ("good_one", "name"),
+        ("injected", "table"),
+    ]
     assert "more than one policy" in str(errors[1])
 
 
@@ -341,5 +347,9 @@ def test_repository_policies_file_loads() -> None:
     assert by_name["audit_log"].retention == Retention(months=12)
     assert by_name["webhook_deliveries"].condition == "status in ('delivered', 'abandoned') and next_attempt_at is null"
     for policy in policies:  # defaults are merged under every policy
-        assert (policy.conn_id, policy.lock_timeout_ms, policy.statement_timeout_ms) == ("retention_target", 5000, 60000)
+        assert (policy.conn_id, policy.lock_timeout_ms, policy.statement_timeout_ms) == (
+            "retention_target",
+            5000,
+            60000,
+        )
         assert policy.chunk_rows >= policy.batch_size

@@ -215,3 +215,19 @@ def test_task_group_and_lone_chunk_reused_in_another_dag(target: Any) -> None:
     assert eligible(target, "2026-02-05") == 0
     assert query(target, "SELECT count(*) FROM airflow_t.audit WHERE at < '2026-02-04'")[0][0] == 0
     assert query(target, "SELECT count(*) FROM airflow_t.audit")[0][0] > 0
+
+
+def test_the_sensor_fails_naming_a_chunk_whose_ledger_row_is_missing(
+    target: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    dag = load_dag("retention_t_orders")
+    dag_run = dag.test(logical_date=utc("2026-02-05"))
+    assert dag_run.state == "success"
+    key = ledger_run(target, "2026-02-05")["run_key"]
+    lost = LEDGER.chunk_rows(target, key)[1]["chunk_key"]
+    query(target, "DELETE FROM airflow_t_ledger.chunks WHERE chunk_key = %s RETURNING 1", (lost,))
+    capfd.readouterr()
+
+    rerun = resume(dag, dag_run, lambda ti: ti.task_id.endswith("verify"))
+    assert rerun.state == "failed"
+    assert f"missing: {lost} (no ledger row)" in capfd.readouterr().out
