@@ -65,7 +65,7 @@ def transaction(conn: Any) -> Iterator[Any]:
 def fetch_all(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
     """Run one read-only statement in its own transaction and return its rows."""
     with transaction(conn) as cur:
-        cur.execute(sql, params or {})
+        cur.execute(sql, params)
         return list(cur.fetchall())
 
 

@@ -28,7 +28,8 @@ def eligibility(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: b
             raise ValueError("a tenant filter needs a tenant column")
         parts.append(f"{quote_ident(policy.tenant_column)} = ANY(%(tenants)s::text[]::{target.tenant_type}[])")
     if policy.condition:
-        parts.append(f"(\n{policy.condition}\n)")
+        # Statements built here always travel with parameters: a literal % (LIKE 'a%') must be doubled.
+        parts.append(f"(\n{policy.condition.replace('%', '%%')}\n)")
     return "\n  AND ".join(parts)
 
 
@@ -96,7 +97,8 @@ def boundary_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_fi
 
 
 def condition_probe(policy: RetentionPolicy) -> str:
-    """A statement that makes the server parse and plan the condition without reading a row."""
+    """A statement that makes the server parse and plan the condition without reading a row; it is run
+    without parameters, so the condition goes in as written."""
     return f"EXPLAIN SELECT 1 FROM {policy.table.sql} WHERE (\n{policy.condition}\n)"
 
 
