@@ -114,6 +114,16 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
     if policy.archive_table is not None:
         if not _relation_exists(conn, policy.archive_table):
             raise PermanentError(f"{where}: field 'archive_table': table {policy.archive_table} does not exist")
+        (same,) = dbapi.fetch_all(
+            conn,
+            "SELECT to_regclass(%(a)s) = to_regclass(%(t)s)",
+            {"a": policy.archive_table.regclass_literal, "t": policy.table.regclass_literal},
+        )[0]
+        if same:
+            raise PermanentError(
+                f"{where}: field 'archive_table': {policy.archive_table} is the target table {policy.table}"
+                " itself (through the search_path); rows would be deleted and re-inserted"
+            )
         archive_cols = {
             name for name, _, _ in dbapi.fetch_all(conn, _COLUMNS_SQL, {"rel": policy.archive_table.regclass_literal})
         }

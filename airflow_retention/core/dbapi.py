@@ -62,6 +62,14 @@ def transaction(conn: Any) -> Iterator[Any]:
         _close_quietly(cur)
 
 
+def set_local_timeouts(cur: Any, lock_timeout_ms: int, statement_timeout_ms: int) -> None:
+    """``lock_timeout`` and ``statement_timeout`` for the rest of the current transaction only."""
+    cur.execute(
+        "SELECT set_config('lock_timeout', %(lock)s, true), set_config('statement_timeout', %(statement)s, true)",
+        {"lock": str(lock_timeout_ms), "statement": str(statement_timeout_ms)},
+    )
+
+
 def fetch_all(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
     """Run one read-only statement in its own transaction and return its rows."""
     with transaction(conn) as cur:

@@ -27,7 +27,7 @@ from airflow_retention.core.cutoff import as_utc, format_cutoff, run_key
 from airflow_retention.core.errors import PermanentError, RetentionError
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import batch_statement, timeouts_statement
+from airflow_retention.core.sql import batch_statement
 
 log = logging.getLogger(__name__)
 
@@ -112,12 +112,11 @@ def run_chunk(
         "limit": policy.batch_size,
         "tenants": list(chunk.tenants) if chunk.tenants is not None else None,
     }
-    timeouts = {"lock_timeout": str(policy.lock_timeout_ms), "statement_timeout": str(policy.statement_timeout_ms)}
     try:
         while True:
             batch_started = time.perf_counter()
             with dbapi.transaction(conn) as cur:
-                cur.execute(timeouts_statement(), timeouts)
+                dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
                 row = ledger.lock_chunk(cur, key, chunk.key)
                 if row is None:
                     raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
@@ -179,7 +178,7 @@ def run_chunk(
             if exhausted:
                 break
     except RetentionError as exc:
-        ledger.record_error(conn, key, chunk.key, str(exc))
+        ledger.record_error(conn, key, chunk.key, str(exc), policy.lock_timeout_ms)
         raise
     result.seconds = time.perf_counter() - started
     if result.already_complete:
@@ -200,6 +199,7 @@ def _ensure_chunk_row(
     already there describes the same range: a chunk key must never be reused for other rows."""
     ledger.ensure(conn)
     with dbapi.transaction(conn) as cur:
+        dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
         ledger.register_run(
             cur,
             RunRecord(
@@ -217,7 +217,8 @@ def _ensure_chunk_row(
             complete_if_empty=False,
         )
         ledger.insert_chunk(cur, key, chunk)
-        stored = ledger.lock_chunk(cur, key, chunk.key)
+        # Only read: a zombie may hold the row's lock for a batch; the batch loop waits at most lock_timeout.
+        stored = ledger.read_chunk(cur, key, chunk.key)
     assert stored is not None
     _, _, lo, hi, tenants, _ = stored
     if (lo, hi) != (chunk.lo, chunk.hi) or (tuple(tenants) if tenants is not None else None) != chunk.tenants:

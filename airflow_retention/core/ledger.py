@@ -262,9 +262,16 @@ class Ledger:
     def lock_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
         """Lock the chunk's row for the rest of the transaction: attempts of one chunk serialise here.
         Returns (state, next_key, lo, hi, tenants, rows_deleted) or None when there is no such row."""
+        return self._chunk_row(cur, run_key, chunk_key, " FOR UPDATE")
+
+    def read_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
+        """The same row as :meth:`lock_chunk`, without waiting for or taking its lock."""
+        return self._chunk_row(cur, run_key, chunk_key, "")
+
+    def _chunk_row(self, cur: Any, run_key: str, chunk_key: str, locking: str) -> tuple[Any, ...] | None:
         cur.execute(
             f"SELECT state, next_key, lo, hi, tenants, rows_deleted FROM {self.s}.chunks"
-            " WHERE run_key = %(r)s AND chunk_key = %(c)s FOR UPDATE",
+            f" WHERE run_key = %(r)s AND chunk_key = %(c)s{locking}",
             {"r": run_key, "c": chunk_key},
         )
         return cur.fetchone()
@@ -324,10 +331,12 @@ class Ledger:
             # Impossible while we hold the row lock; refuse to commit a batch the ledger did not record.
             raise PermanentError(f"chunk {chunk_key} of run {run_key} vanished or completed under its lock")
 
-    def record_error(self, conn: Any, run_key: str, chunk_key: str, message: str) -> None:
-        """Best effort, in a transaction of its own: the batch that failed has been rolled back."""
+    def record_error(self, conn: Any, run_key: str, chunk_key: str, message: str, lock_timeout_ms: int) -> None:
+        """Best effort, in a transaction of its own: the batch that failed has been rolled back. Gives up
+        after ``lock_timeout_ms`` when another attempt holds the row: the error still reaches the caller."""
         try:
             with dbapi.transaction(conn) as cur:
+                dbapi.set_local_timeouts(cur, lock_timeout_ms, max(lock_timeout_ms, 1000))
                 cur.execute(
                     f"UPDATE {self.s}.chunks SET last_error = %(m)s WHERE run_key = %(r)s AND chunk_key = %(c)s",
                     {"m": message[:2000], "r": run_key, "c": chunk_key},

@@ -122,6 +122,16 @@ def read_groups(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: 
     return groups
 
 
+def _merge(groups: list[Group]) -> Group:
+    """All tenants as one group: chunks then cover key ranges of every tenant (``tenants`` None)."""
+    return Group(
+        tenant=None,
+        rows=sum(g.rows for g in groups),
+        lo=min(g.lo for g in groups),
+        hi=max(g.hi for g in groups),
+    )
+
+
 def split(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, groups: list[Group], chunk_rows: int
 ) -> list[ChunkSpec]:
@@ -131,7 +141,7 @@ def split(
 
     def flush() -> None:
         if pack:
-            tenants = tuple(g.tenant for g in pack) if policy.tenant_column else None
+            tenants = tuple(g.tenant for g in pack if g.tenant is not None) or None
             lo, hi = min(g.lo for g in pack), max(g.hi for g in pack)
             chunks.append(_spec(tenants, lo, hi, sum(g.rows for g in pack), len(chunks)))
             pack.clear()
@@ -157,7 +167,7 @@ def _walk(
     chunk_rows: int,
     first_seq: int,
 ) -> list[ChunkSpec]:
-    tenants = (group.tenant,) if policy.tenant_column else None
+    tenants = (group.tenant,) if group.tenant is not None else None
     statement = boundary_statement(policy, target, tenant_filter=tenants is not None)
     params = {"cutoff": cutoff, "hi": group.hi, "offset": chunk_rows, "tenants": list(tenants or ())}
     chunks: list[ChunkSpec] = []
@@ -208,6 +218,16 @@ def plan_run(
             f" {format_cutoff(now)}); refusing to plan a purge of rows that are not yet expired"
         )
     groups = read_groups(conn, policy, target, cutoff)
+    if math.ceil(len(groups) / MAX_TENANTS_PER_CHUNK) > max_chunks:
+        log.warning(
+            "policy %s: %d tenants have eligible rows, more than %d chunks of at most %d tenants can list;"
+            " planning by key range across tenants instead (deletion is the same, per-tenant fairness is lost)",
+            policy.name,
+            len(groups),
+            max_chunks,
+            MAX_TENANTS_PER_CHUNK,
+        )
+        groups = [_merge(groups)]
     size = choose_chunk_rows(groups, policy.chunk_rows, max_chunks)
     if size != policy.chunk_rows:
         log.warning(

@@ -232,11 +232,17 @@ def check_condition(condition: object) -> str:
     """Check that a condition cannot escape the parentheses it is wrapped in.
 
     The condition is trusted SQL, but a stray ``)``, ``;`` or comment would silently change the rest of
-    the predicate (``true) or (true`` would make every row eligible); those are refused here. The
-    database checks the rest when the policy is first used.
+    the predicate (``true) or (true`` would make every row eligible); those are refused here. So is
+    every quoting form whose end this scanner could misjudge: backslashes (``E'\\''`` strings, or any
+    string when ``standard_conforming_strings`` is off) and ``$`` (dollar quoting). The database checks
+    the rest when the policy is first used.
     """
     if not isinstance(condition, str) or not condition.strip():
         raise ValueError("must be a non-empty SQL boolean expression")
+    if "\\" in condition:
+        raise ValueError("backslashes are not allowed (write E'' strings another way)")
+    if "$" in condition:
+        raise ValueError("'$' is not allowed (no dollar quoting or parameters)")
     depth = 0
     i, n = 0, len(condition)
     while i < n:
@@ -253,8 +259,6 @@ def check_condition(condition: object) -> str:
             raise ValueError("must be one expression: ';' is not allowed")
         if condition.startswith("--", i) or condition.startswith("/*", i):
             raise ValueError("comments are not allowed")
-        if ch == "$" and re.match(r"\$[A-Za-z_]*\$", condition[i:]):
-            raise ValueError("dollar quoting is not allowed")
         if ch == "(":
             depth += 1
         elif ch == ")":

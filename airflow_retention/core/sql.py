@@ -100,11 +100,3 @@ def condition_probe(policy: RetentionPolicy) -> str:
     """A statement that makes the server parse and plan the condition without reading a row; it is run
     without parameters, so the condition goes in as written."""
     return f"EXPLAIN SELECT 1 FROM {policy.table.sql} WHERE (\n{policy.condition}\n)"
-
-
-def timeouts_statement() -> str:
-    """Transaction-local timeouts; parameters ``lock_timeout`` and ``statement_timeout`` (text, ms)."""
-    return (
-        "SELECT set_config('lock_timeout', %(lock_timeout)s, true),"
-        " set_config('statement_timeout', %(statement_timeout)s, true)"
-    )

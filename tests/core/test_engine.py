@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -441,6 +442,86 @@ def test_statement_timeout_is_retryable_and_applies_nothing(schema: str, conn: A
     assert result.rows_deleted == len(eligible)
 
 
+def _within(deadline: float, action: Callable[[], object], release: Callable[[], object]) -> tuple[float, Any]:
+    """Run ``action`` in a thread; after ``deadline`` seconds call ``release`` so that a hung action ends
+    and the test does not hang. Returns (seconds the action took, the exception it raised or None)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        started = time.monotonic()
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - returned to the test
+            outcome["error"] = exc
+        outcome["seconds"] = time.monotonic() - started
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(deadline)
+    release()
+    thread.join(60)
+    assert not thread.is_alive()
+    return outcome["seconds"], outcome.get("error")
+
+
+def _lock_ledger_row(holder: Any, policy: RetentionPolicy, run_key: str, chunk: ChunkSpec) -> None:
+    """Lock the chunk's ledger row in ``holder``'s open transaction, as a batch of a stuck attempt does."""
+    with holder.cursor() as cur:
+        cur.execute(
+            f'SELECT 1 FROM "{policy.ledger_schema}".chunks WHERE run_key = %(r)s AND chunk_key = %(c)s FOR UPDATE',
+            {"r": run_key, "c": chunk.key},
+        )
+
+
+def test_stuck_attempt_holding_the_ledger_row_fails_the_next_one_fast(
+    schema: str, conn: Any, admin: Any, driver: str
+) -> None:
+    """A zombie stuck inside a batch transaction (frozen process, lost network) holds the chunk's ledger
+    row. The retry must give up after the policy's lock_timeout with a RetryableError, not wait forever."""
+    table = small_table(admin, schema)
+    policy = make_policy(schema, lock_timeout="200ms")
+    plan = plan_run(conn, policy, CUTOFF)
+    eligible = eligible_ids(admin, table)
+    holder = connect(driver)
+    try:
+        _lock_ledger_row(holder, policy, plan.run_key, plan.chunks[0])
+        seconds, error = _within(3, lambda: run_chunk(conn, policy, CUTOFF, plan.chunks[0]), holder.rollback)
+    finally:
+        holder.close()
+    assert seconds < 2, f"run_chunk waited {seconds:.1f}s for the ledger row despite lock_timeout=200ms"
+    assert isinstance(error, RetryableError)
+    assert error.sqlstate == "55P03"
+    assert eligible_ids(admin, table) == eligible
+
+
+def test_ledger_row_locked_between_batches_fails_fast(schema: str, conn: Any, admin: Any, driver: str) -> None:
+    """The same between two batches: the batch's own lock of the ledger row times out (55P03), and
+    recording that error must not then wait for the very lock that timed out."""
+    table = small_table(admin, schema)
+    policy = make_policy(schema, lock_timeout="200ms")
+    plan = plan_run(conn, policy, CUTOFF)
+    (chunk,) = plan.chunks
+    eligible = eligible_ids(admin, table)
+    holder = connect(driver)
+
+    def lock_after_first(report: BatchReport) -> None:
+        if report.lo == chunk.lo:
+            _lock_ledger_row(holder, policy, plan.run_key, chunk)
+
+    try:
+        seconds, error = _within(
+            3, lambda: run_chunk(conn, policy, CUTOFF, chunk, on_batch=lock_after_first), holder.rollback
+        )
+    finally:
+        holder.close()
+    assert isinstance(error, RetryableError)
+    assert error.sqlstate == "55P03"
+    assert seconds < 2, f"run_chunk took {seconds:.1f}s to report a 200ms lock timeout"
+    size = policy.batch_size
+    assert eligible_ids(admin, table) == eligible[size:]
+    assert progress(admin, policy, plan.run_key, chunk)[1:4] == (eligible[size - 1] + 1, size, 1)
+
+
 def test_timeouts_are_set_per_transaction(schema: str, conn: Any, admin: Any) -> None:
     small_table(admin, schema, 500)
     policy = make_policy(schema, lock_timeout="1234ms", statement_timeout="4321ms")
@@ -638,13 +719,15 @@ def test_autocommit_connection_is_handled(schema: str, conn: Any, admin: Any) ->
     assert ledger_chunk(admin, policy.ledger_schema, plan.run_key, plan.chunks[0].key)["rows_deleted"] == len(eligible)
 
 
-def test_condition_never_makes_fresh_rows_eligible(schema: str, conn: Any, admin: Any) -> None:
-    """A condition that passes validation must stay inside its parentheses. This one uses a backslash
-    escape string to hide ") or (true" from the checker; if accepted, it deletes rows of any age."""
+@pytest.mark.parametrize("condition", ["status = E'\\'' ) or (true --'", "status = $a1$'$a1$ ) or (true --'"])
+def test_condition_never_makes_fresh_rows_eligible(schema: str, conn: Any, admin: Any, condition: str) -> None:
+    """A condition that passes validation must stay inside its parentheses. These hide ") or (true"
+    from the checker (a backslash escape string; a dollar quote with a digit in its tag); accepted,
+    they make every row of the table eligible, whatever its age."""
     table = small_table(admin, schema, 500)
     fresh = ids(admin, table, "created_at >= %(cutoff)s")
     try:
-        policy = make_policy(schema, condition="status = E'\\'' ) or (true --'")
+        policy = make_policy(schema, condition=condition)
     except PolicyError:
         return  # refused at validation: nothing can be deleted
     for chunk in plan_run(conn, policy, CUTOFF).chunks:

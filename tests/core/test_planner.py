@@ -286,3 +286,18 @@ def test_concurrent_planners_of_one_run_agree(schema: str, conn: Any, admin: Any
     assert all(shape(p) == shape(plans[0]) for p in plans)
     assert len(ledger_chunks(admin, policy.ledger_schema, plans[0].run_key)) == len(plans[0].chunks)
     assert plans[0].rows_planned == len(eligible_ids(admin, table))
+
+
+def test_more_tenants_than_max_chunks_can_hold(schema: str, conn: Any, admin: Any) -> None:
+    """1,200 tenants cannot fit in 2 chunks of at most 500 tenants each, whatever the chunk size: the
+    planner must say so (PermanentError, nothing registered) or plan within the bound; not crash."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 1200, tenant="g", created=OLD, status="'closed'")
+    policy = make_policy(schema, tenant_column="tenant_id")
+    try:
+        plan = plan_run(conn, policy, CUTOFF, max_chunks=2)
+    except PermanentError:
+        assert scalar(admin, f'SELECT count(*) FROM "{policy.ledger_schema}".runs') == 0
+        return
+    assert len(plan.chunks) <= 2
+    assert uncovered(admin, table, policy, plan) == []

@@ -185,7 +185,7 @@ def test_bad_condition_is_refused(condition: str) -> None:
         '"say ""hi"" (" = 1',
         "(a = 1) and (b in ('x', 'y'))",
         "a - -1 > 0",
-        "price::numeric > 0 and $1 is null",
+        "price::numeric > 0 and note is null",
     ],
 )
 def test_good_condition_is_accepted_and_kept(condition: str) -> None:
@@ -200,9 +200,17 @@ def test_good_condition_is_accepted_and_kept(condition: str) -> None:
         # (status = E'\'') OR (true --comment), which makes every row of the table eligible.
         "status = E'\\'' ) or (true --'",
         "status = E'\\'' ) or (true) or (status = E'\\''",
+        # A dollar quote whose tag holds a digit or a non-ASCII letter is not recognised as one: the
+        # checker takes its ' for the start of a string, PostgreSQL reads (status = $a1$'$a1$) OR (true.
+        "status = $a1$'$a1$ ) or (true --'",
+        "status = $é$'$é$ ) or (true --'",
+        # '$' is refused wherever it stands: a positional parameter means nothing in a policy.
+        "price::numeric > 0 and $1 is null",
+        # With standard_conforming_strings off, a backslash escapes a quote in any string.
+        "status = '\\' ) or (true --'",
     ],
 )
-def test_condition_cannot_escape_through_backslash_escape_string(condition: str) -> None:
+def test_condition_cannot_escape_through_quoting_the_checker_misreads(condition: str) -> None:
     refused("condition", condition=condition)
 
 
