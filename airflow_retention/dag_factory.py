@@ -51,14 +51,16 @@ def retention_task_group(
     defaults = task_defaults(policy)
     with TaskGroup(group_id or f"{DAG_ID_PREFIX}{policy.name}", tooltip=f"retention policy {policy.name}") as group:
         plan = RetentionPlanOperator(task_id="plan", policy=policy, max_chunks=max_chunks, **defaults)
-        pool = {"pool": policy.pool} if policy.pool else {}
+        chunk_args: dict[str, Any] = {
+            **defaults,
+            "max_active_tis_per_dagrun": policy.max_active_chunks,
+            "map_index_template": "{{ task.chunk_label }}",
+        }
+        if policy.pool:
+            chunk_args["pool"] = policy.pool
+        chunk_args.update(chunk_kwargs or {})
         chunks = RetentionChunkOperator.partial(
-            task_id="purge_chunk",
-            policy=policy,
-            max_active_tis_per_dagrun=policy.max_active_chunks,
-            map_index_template="{{ task.chunk_label }}",
-            **pool,
-            **{**defaults, **(chunk_kwargs or {})},
+            task_id="purge_chunk", policy=policy, from_plan=True, **chunk_args
         ).expand_kwargs(plan.output)
         verify = RetentionCompleteSensor(
             task_id="verify",
@@ -102,10 +104,14 @@ def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError
     """DAGs keyed by id, for a DAG file's ``globals().update(...)``; invalid policies become one import
     error that names each policy and field."""
     dags = {}
-    for policy in policies:
-        dag = build_dag(policy)
-        dags[dag.dag_id] = dag
     problems = [str(e) for e in errors]
+    for policy in policies:
+        try:
+            dag = build_dag(policy)
+        except Exception as exc:  # noqa: BLE001 - e.g. an invalid schedule: report it, keep the other DAGs
+            problems.append(str(PolicyError(policy.name, None, f"cannot build its DAG: {exc}")))
+            continue
+        dags[dag.dag_id] = dag
     if problems:
         bad = _InvalidPoliciesDag(
             dag_id=f"{DAG_ID_PREFIX}invalid_policies",

@@ -8,7 +8,7 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.identifiers import TableName
+from airflow_retention.core.identifiers import TableName, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
         warnings.append(
             f"{where}: no index starts with {policy.timestamp_column!r} on {policy.table}: planning scans the"
             f" whole table; create one: CREATE INDEX CONCURRENTLY ON {policy.table.sql}"
-            f" ({policy.timestamp_column})"
+            f" ({quote_ident(policy.timestamp_column)})"
         )
     if policy.tenant_column and not any(
         cols[:2] == [policy.tenant_column, policy.key_column] for _, _, cols in indexes
@@ -106,7 +106,8 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
         warnings.append(
             f"{where}: no index on ({policy.tenant_column}, {policy.key_column}) on {policy.table}: chunk"
             " boundaries and batches of one tenant scan other tenants' rows; create one: CREATE INDEX"
-            f" CONCURRENTLY ON {policy.table.sql} ({policy.tenant_column}, {policy.key_column})"
+            f" CONCURRENTLY ON {policy.table.sql} ({quote_ident(policy.tenant_column)},"
+            f" {quote_ident(policy.key_column)})"
         )
     for message in warnings:
         log.warning("%s", message)

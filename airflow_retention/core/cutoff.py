@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Any
 
+from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.policy import RetentionPolicy
 
@@ -56,6 +58,17 @@ def as_utc(value: datetime) -> datetime:
     return value.astimezone(timezone.utc)
 
 
-def run_key(policy: RetentionPolicy, cutoff: datetime) -> str:
-    """The identity of a run: the policy plus its frozen cutoff (a dry run is a separate run)."""
-    return f"{policy.name}@{format_cutoff(cutoff)}" + ("#dry-run" if policy.dry_run else "")
+def run_key(policy: RetentionPolicy, cutoff: datetime, *, lone: bool = False) -> str:
+    """The identity of a run: the policy plus its frozen cutoff. A dry run, and the run of chunks
+    purged without a planner, are runs of their own."""
+    return f"{policy.name}@{format_cutoff(cutoff)}" + ("#dry-run" if policy.dry_run else "") + ("#lone" if lone else "")
+
+
+def refuse_future_cutoff(conn: Any, policy: RetentionPolicy, cutoff: datetime) -> None:
+    """A cutoff after the database's clock would purge rows that have not expired yet: refuse it."""
+    (now,) = dbapi.fetch_all(conn, "SELECT now()")[0]
+    if cutoff > now:
+        raise PermanentError(
+            f"policy {policy.name!r}: cutoff {format_cutoff(cutoff)} is in the future (database time is"
+            f" {format_cutoff(now)}); refusing to purge rows that have not expired yet"
+        )

@@ -23,7 +23,7 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, inspect_target
-from airflow_retention.core.cutoff import as_utc, format_cutoff, run_key
+from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError, RetentionError
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.policy import RetentionPolicy
@@ -79,6 +79,7 @@ def run_chunk(
     target: TargetInfo | None = None,
     ledger: Ledger | None = None,
     on_batch: Callable[[BatchReport], None] | None = None,
+    lone: bool = False,
 ) -> ChunkResult:
     """Delete the eligible rows of one chunk; safe to call any number of times, from any number of
     processes at once. Raises :class:`RetryableError` (nothing of the failed batch applied; retry
@@ -86,10 +87,12 @@ def run_chunk(
 
     :param conn: a DB-API connection (psycopg2 or psycopg 3) to the target database.
     :param cutoff: the run's frozen cutoff, an aware instant.
-    :param chunk: tenants and key range; its ledger row is created if the planner did not.
+    :param chunk: tenants and key range, as planned by :func:`~airflow_retention.core.planner.plan_run`.
     :param attempt: who runs it, recorded on completion.
     :param target: the checked catalog facts, when the caller has them already.
     :param on_batch: called after each committed batch.
+    :param lone: the chunk was not planned: it gets a run of its own (key ``<run key>#lone``) and its
+        ledger rows are created here, so it never alters a planned run's expected chunk set.
     """
     cutoff = as_utc(cutoff)
     if chunk.lo >= chunk.hi:
@@ -100,8 +103,9 @@ def run_chunk(
     ledger = ledger or Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
     target = target or inspect_target(conn, policy)
-    key = run_key(policy, cutoff)
-    _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt)
+    refuse_future_cutoff(conn, policy, cutoff)
+    key = run_key(policy, cutoff, lone=lone)
+    _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone)
 
     statement = batch_statement(policy, target, tenant_filter=chunk.tenants is not None)
     result = ChunkResult(run_key=key, chunk_key=chunk.key)
@@ -194,32 +198,39 @@ def _ensure_chunk_row(
     key: str,
     chunk: ChunkSpec,
     attempt: Attempt,
+    lone: bool,
 ) -> None:
-    """Make the run and chunk rows exist (a lone chunk operator has no planner), and check that a row
-    already there describes the same range: a chunk key must never be reused for other rows."""
+    """Check the chunk's ledger row before any delete. A planned chunk must be in its run's stored plan;
+    a lone chunk (no planner) creates its own run and chunk rows. Either way a row already there must
+    describe the same range: a chunk key never stands for other rows."""
     ledger.ensure(conn)
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
-        ledger.register_run(
-            cur,
-            RunRecord(
-                run_key=key,
-                policy=policy.name,
-                target_table=str(policy.table),
-                cutoff=cutoff,
-                dry_run=policy.dry_run,
-                chunk_rows=policy.chunk_rows,
-                batch_size=policy.batch_size,
-                chunks_expected=0,
-                rows_planned=0,
-                planned_by=f"lone chunk {chunk.key} ({attempt.label()})",
-            ),
-            complete_if_empty=False,
-        )
-        ledger.insert_chunk(cur, key, chunk)
+        if lone:
+            ledger.register_run(
+                cur,
+                RunRecord(
+                    run_key=key,
+                    policy=policy.name,
+                    target_table=str(policy.table),
+                    cutoff=cutoff,
+                    dry_run=policy.dry_run,
+                    chunk_rows=policy.chunk_rows,
+                    batch_size=policy.batch_size,
+                    chunks_expected=0,
+                    rows_planned=0,
+                    planned_by=f"lone chunk {chunk.key} ({attempt.label()})",
+                ),
+                complete_if_empty=False,
+            )
+            ledger.insert_chunk(cur, key, chunk)
         # Only read: a zombie may hold the row's lock for a batch; the batch loop waits at most lock_timeout.
         stored = ledger.read_chunk(cur, key, chunk.key)
-    assert stored is not None
+    if stored is None:
+        raise PermanentError(
+            f"chunk {chunk.key} is not in the ledger's plan of run {key}: the run was never planned, or its"
+            " ledger rows were deleted. Re-plan the run (clear its plan task), or run the chunk as a lone chunk"
+        )
     _, _, lo, hi, tenants, _ = stored
     if (lo, hi) != (chunk.lo, chunk.hi) or (tuple(tenants) if tenants is not None else None) != chunk.tenants:
         raise PermanentError(

@@ -39,8 +39,7 @@ CREATE TABLE IF NOT EXISTS {s}.runs (
     rows_deleted       bigint,
     rows_archived      bigint,
     rows_matched       bigint,
-    verified_by        text,
-    UNIQUE (policy, cutoff, dry_run)
+    verified_by        text
 );
 CREATE TABLE IF NOT EXISTS {s}.chunks (
     run_key            text NOT NULL REFERENCES {s}.runs (run_key) ON DELETE CASCADE,
@@ -117,7 +116,7 @@ class Ledger:
         """Create or migrate the ledger; safe under concurrent callers. Returns the schema version.
 
         An up-to-date ledger is only read, so a role without CREATE can run purges once an administrator
-        has run ``ensure`` (or ``airflow-retention init-ledger``).
+        has created it (for instance with one planner run as the owner).
         """
         current = self.version(conn)
         if current == SCHEMA_VERSION:
@@ -130,7 +129,10 @@ class Ledger:
         with dbapi.transaction(conn) as cur:
             # Concurrent creators queue on this lock; IF NOT EXISTS alone races on the catalog.
             cur.execute("SELECT pg_advisory_xact_lock(hashtext(%(k)s))", {"k": f"airflow_retention:{self.schema}"})
-            cur.execute(f"CREATE SCHEMA IF NOT EXISTS {self.s}")
+            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema is there.
+            cur.execute("SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(n)s", {"n": self.schema})
+            if cur.fetchone() is None:
+                cur.execute(f"CREATE SCHEMA {self.s}")
             cur.execute(
                 f"CREATE TABLE IF NOT EXISTS {self.s}.ledger_version ("
                 " singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"

@@ -17,7 +17,7 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, inspect_target
-from airflow_retention.core.cutoff import as_utc, format_cutoff, run_key
+from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.policy import RetentionPolicy
@@ -211,12 +211,7 @@ def plan_run(
         return _stored(conn, ledger, key, cutoff, stored)
 
     target = target or inspect_target(conn, policy)
-    (now,) = dbapi.fetch_all(conn, "SELECT now()")[0]
-    if cutoff > now:
-        raise PermanentError(
-            f"policy {policy.name!r}: cutoff {format_cutoff(cutoff)} is in the future (database time is"
-            f" {format_cutoff(now)}); refusing to plan a purge of rows that are not yet expired"
-        )
+    refuse_future_cutoff(conn, policy, cutoff)
     groups = read_groups(conn, policy, target, cutoff)
     if math.ceil(len(groups) / MAX_TENANTS_PER_CHUNK) > max_chunks:
         log.warning(

@@ -171,9 +171,10 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
         out[col] = convert(col, check_ident, getattr(policy, col))
     if policy.tenant_column is not None:
         out["tenant_column"] = convert("tenant_column", check_ident, policy.tenant_column)
-    distinct = [c for c in (out["key_column"], out["timestamp_column"], out.get("tenant_column")) if c]
-    if len(set(distinct)) != len(distinct):
-        raise fail("tenant_column", "key, timestamp and tenant columns must be different columns")
+    if out["timestamp_column"] == out["key_column"]:
+        raise fail("timestamp_column", "must be another column than key_column")
+    if out.get("tenant_column") in (out["key_column"], out["timestamp_column"]):
+        raise fail("tenant_column", "must be another column than key_column and timestamp_column")
     out["retention"] = convert("retention", Retention.parse, policy.retention)
     if policy.condition is not None:
         out["condition"] = convert("condition", check_condition, policy.condition)
@@ -321,8 +322,8 @@ def load_policies_lenient(path: str | Path) -> tuple[list[RetentionPolicy], list
 
 
 def policy_to_dict(policy: RetentionPolicy) -> dict[str, Any]:
-    """The policy as a plain mapping that :meth:`RetentionPolicy.from_dict` reads back (for triggers,
-    the CLI's JSON output and logs)."""
+    """The policy as a plain mapping that :meth:`RetentionPolicy.from_dict` reads back (a trigger's
+    serialised form, logs)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(policy):
         value = getattr(policy, f.name)

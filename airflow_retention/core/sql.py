@@ -13,11 +13,13 @@ from airflow_retention.core.policy import RetentionPolicy
 _KEY_ALIAS = "retention_key__"
 
 
-def eligibility(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
+def eligibility(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool, null_tenants: bool = False) -> str:
     """The predicate of an eligible row in the range ``[%(lo)s, %(hi)s)``, optionally of given tenants.
 
     Parameters: ``lo``, ``hi`` (bigint), ``cutoff`` (timestamptz), ``tenants`` (text[]) when filtered.
-    A ``timestamp without time zone`` column is read as UTC.
+    A ``timestamp without time zone`` column is read as UTC. In a policy with a tenant column, a row
+    whose tenant is NULL belongs to no tenant and is never eligible (``null_tenants`` lets the planner
+    count them, to warn).
     """
     key = quote_ident(policy.key_column)
     ts = quote_ident(policy.timestamp_column)
@@ -27,6 +29,8 @@ def eligibility(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: b
         if policy.tenant_column is None or target.tenant_type is None:
             raise ValueError("a tenant filter needs a tenant column")
         parts.append(f"{quote_ident(policy.tenant_column)} = ANY(%(tenants)s::text[]::{target.tenant_type}[])")
+    elif policy.tenant_column is not None and not null_tenants:
+        parts.append(f"{quote_ident(policy.tenant_column)} IS NOT NULL")
     if policy.condition:
         # Statements built here always travel with parameters: a literal % (LIKE 'a%') must be doubled.
         parts.append(f"(\n{policy.condition.replace('%', '%%')}\n)")
@@ -76,7 +80,7 @@ def group_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
     count, lowest and highest key. Parameters: ``cutoff``, ``lo``, ``hi`` (pass the bigint range)."""
     table = policy.table.sql
     key = quote_ident(policy.key_column)
-    pred = eligibility(policy, target, tenant_filter=False)
+    pred = eligibility(policy, target, tenant_filter=False, null_tenants=True)
     if policy.tenant_column is None:
         return f"SELECT NULL::text, count(*), min({key}), max({key}) FROM {table}\nWHERE {pred}"
     tenant = quote_ident(policy.tenant_column)

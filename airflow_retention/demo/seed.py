@@ -48,7 +48,8 @@ CREATE INDEX ON audit.audit_log (logged_at);
 CREATE TABLE audit.audit_log_archive (LIKE audit.audit_log);
 """
 
-# Rows spread over `days` days before the anchor, in random order so keys and time do not align.
+# Rows spread over `days` days before the anchor, inserted in time order so that keys grow with time as in
+# a real table (the planner's key ranges then follow time).
 WEBHOOKS_SQL = """
 INSERT INTO public.webhook_deliveries (created_at, status, next_attempt_at, endpoint, payload)
 SELECT ts,
@@ -59,7 +60,8 @@ SELECT ts,
        repeat(md5(g::text), 4)
 FROM (SELECT g, random() AS r,
              %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400) AS ts
-      FROM generate_series(1, %(rows)s::integer) g ORDER BY random()) s
+      FROM generate_series(1, %(rows)s::integer) g) s
+ORDER BY ts
 """
 EVENTS_SQL = """
 INSERT INTO public.tenant_events (tenant_id, occurred_at, kind, payload)
@@ -67,13 +69,13 @@ SELECT CASE WHEN g %% 69 < 50 THEN 1 ELSE 2 + g %% 69 - 50 END,
        %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400),
        (ARRAY['view','click','signup','purchase'])[1 + g %% 4],
        repeat(md5(g::text), 3)
-FROM generate_series(1, %(rows)s::integer) g ORDER BY random()
+FROM generate_series(1, %(rows)s::integer) g ORDER BY 2
 """
 AUDIT_SQL = """
 INSERT INTO audit.audit_log (logged_at, actor, action, detail)
 SELECT %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400),
        'user' || (g %% 300), (ARRAY['login','update','export','delete'])[1 + g %% 4], repeat(md5(g::text), 2)
-FROM generate_series(1, %(rows)s::integer) g ORDER BY random()
+FROM generate_series(1, %(rows)s::integer) g ORDER BY 1
 """
 # Rows one second before, at, and one second after a cutoff: only the first is ever eligible.
 EDGE_SQL = {

@@ -45,9 +45,9 @@ class RetentionHook(PostgresHook):
         with self.open_connection() as conn:
             return plan_run(conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by)
 
-    def run_chunk(self, cutoff: datetime, chunk: ChunkSpec, attempt: Attempt) -> ChunkResult:
+    def run_chunk(self, cutoff: datetime, chunk: ChunkSpec, attempt: Attempt, *, lone: bool = False) -> ChunkResult:
         with self.open_connection() as conn:
-            return run_chunk(conn, self.policy, cutoff, chunk, attempt=attempt)
+            return run_chunk(conn, self.policy, cutoff, chunk, attempt=attempt, lone=lone)
 
     def verify(self, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
         with self.open_connection() as conn:

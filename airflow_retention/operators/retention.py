@@ -127,6 +127,9 @@ class RetentionChunkOperator(BaseOperator):
     :param cutoff: the run's frozen cutoff (ISO 8601); default: frozen from this run's date.
     :param chunk_key: the chunk's identity in the ledger; default derived from tenants and range.
     :param rows_planned: eligible rows at planning time, for the logs.
+    :param from_plan: the chunk comes from a :class:`RetentionPlanOperator` (as in
+        :func:`~airflow_retention.dag_factory.retention_task_group`): it must be in the ledger's plan.
+        Left False, the chunk is a lone one with a ledger run of its own (``<run key>#lone``).
     """
 
     template_fields: Sequence[str] = ("cutoff", "lo", "hi", "tenants", "chunk_key")
@@ -142,6 +145,7 @@ class RetentionChunkOperator(BaseOperator):
         cutoff: str | datetime | None = None,
         chunk_key: str | None = None,
         rows_planned: int | None = None,
+        from_plan: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("map_index_template", "{{ task.chunk_label }}")
@@ -153,6 +157,7 @@ class RetentionChunkOperator(BaseOperator):
         self.cutoff = cutoff
         self.chunk_key = chunk_key
         self.rows_planned = rows_planned
+        self.from_plan = from_plan
 
     @cached_property
     def hook(self) -> RetentionHook:
@@ -193,7 +198,7 @@ class RetentionChunkOperator(BaseOperator):
                 self.policy.batch_size,
                 f", {chunk.rows_planned} row(s) eligible at planning" if chunk.rows_planned is not None else "",
             )
-            result = self.hook.run_chunk(cutoff, chunk, attempt_from_context(context))
+            result = self.hook.run_chunk(cutoff, chunk, attempt_from_context(context), lone=not self.from_plan)
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc
         summary = result.summary()

@@ -75,7 +75,10 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 f"policy {self.policy.name}: no plan to verify (the planner's 'run' XCom is {info!r});"
                 " did the planner fail?"
             )
-        return info["run_key"], list(info.get("chunk_keys") or [])
+        keys = info.get("chunk_keys")
+        if not isinstance(keys, list):
+            raise AirflowFailException(f"policy {self.policy.name}: the plan {info!r} lists no chunk_keys")
+        return info["run_key"], keys
 
     def execute(self, context: Context) -> Any:
         if not self.deferrable:

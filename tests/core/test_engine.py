@@ -613,12 +613,20 @@ def test_lone_chunk_without_a_plan(schema: str, conn: Any, admin: Any) -> None:
     policy = make_policy(schema, tenant_column="tenant_id")
     expected = set(eligible_ids(admin, table, extra="tenant_id = 2 AND id < 500"))
     before = ids(admin, table)
-    result = run_chunk(conn, policy, CUTOFF, ChunkSpec("lone", 1, 500, tenants=("2",)))
+    chunk = ChunkSpec("lone", 1, 500, tenants=("2",))
+    with pytest.raises(PermanentError, match="not in the ledger's plan"):
+        run_chunk(conn, policy, CUTOFF, chunk)  # a planned chunk must be in a plan
+    assert ids(admin, table) == before
+    result = run_chunk(conn, policy, CUTOFF, chunk, lone=True)
     assert before - ids(admin, table) == expected
     assert result.rows_deleted == len(expected)
+    assert result.run_key.endswith("#lone")
     run = ledger_run(admin, policy.ledger_schema, result.run_key)
     assert run is not None
     assert run["state"] == "planned"
+    # The lone run never stands in for the planned run of the same cutoff.
+    plan = plan_run(conn, policy, CUTOFF)
+    assert not plan.reused and plan.run_key != result.run_key
 
 
 def test_timestamp_without_time_zone_is_read_as_utc(schema: str, conn: Any, admin: Any) -> None:

@@ -30,7 +30,9 @@ def test_a_condition_with_like_percent_runs_on_both_drivers(conn: Any, admin: An
         batch_size=10,
         ledger_schema=f"{schema}_ledger",
     )
-    result = run_chunk(conn, policy, datetime(2026, 2, 1, tzinfo=timezone.utc), ChunkSpec(key="all", lo=0, hi=1000))
+    result = run_chunk(
+        conn, policy, datetime(2026, 2, 1, tzinfo=timezone.utc), ChunkSpec(key="all", lo=0, hi=1000), lone=True
+    )
     assert result.rows_deleted == 50
     with admin.cursor() as cur:
         cur.execute(f'SELECT count(*), bool_and(url LIKE \'ftp%%\') FROM "{schema}"."Order"')
