@@ -108,7 +108,8 @@ def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError
     for policy in policies:
         try:
             dag = build_dag(policy)
-        except Exception as exc:  # noqa: BLE001 - e.g. an invalid schedule: report it, keep the other DAGs
+            dag.validate()  # an invalid cron schedule is only found here
+        except Exception as exc:  # noqa: BLE001 - report it with the policy's name, keep the other DAGs
             problems.append(str(PolicyError(policy.name, None, f"cannot build its DAG: {exc}")))
             continue
         dags[dag.dag_id] = dag

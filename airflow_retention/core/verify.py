@@ -45,14 +45,14 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
         return Verification(run_key, len(expected_keys or ()), 0, list(expected_keys or ()), run_found=False)
     rows = {r["chunk_key"]: r for r in ledger.chunk_rows(conn, run_key)}
     expected = list(expected_keys) if expected_keys is not None else list(rows)
-    if expected_keys is None and run["chunks_expected"] > len(rows):
-        expected.append(f"{run['chunks_expected'] - len(rows)} chunk row(s) deleted from the ledger")
-    if expected_keys is not None and len(expected_keys) != run["chunks_expected"]:
-        expected.append(f"{run['chunks_expected']} chunk(s) in the ledger's plan, {len(expected_keys)} handed out")
     complete = [k for k in expected if k in rows and rows[k]["state"] == "complete"]
-    missing = [
-        k if k in rows or expected_keys is None else f"{k} (no ledger row)" for k in expected if k not in complete
-    ]
+    missing = [k if k in rows else f"{k} (no ledger row)" for k in expected if k not in complete]
+    if expected_keys is None and run["chunks_expected"] > len(rows):
+        missing.append(f"{run['chunks_expected'] - len(rows)} chunk row(s) deleted from the ledger")
+    if expected_keys is not None and len(expected_keys) != run["chunks_expected"]:
+        missing.append(
+            f"the plan handed out {len(expected_keys)} chunk(s), the ledger's plan has {run['chunks_expected']}"
+        )
     return Verification(
         run_key=run_key,
         expected=len(expected),

@@ -66,3 +66,18 @@ def test_a_bad_policy_is_an_import_error_naming_it_while_the_others_load(tmp_pat
     (message,) = bag.import_errors.values()
     assert "policy 'tenant_events', field 'retention'" in message
     assert "policy 'audit_log', field 'timestamp_column'" in message
+
+
+def test_an_invalid_schedule_is_reported_with_its_policy(tmp_path: Path) -> None:
+    from airflow_retention.core.policy import load_policies_lenient
+    from airflow_retention.dag_factory import build_dags
+
+    text = (REPO / "dags" / "retention_policies.yaml").read_text()
+    (tmp_path / "p.yaml").write_text(
+        text.replace("tags: [audit]", "tags: [audit]\n    schedule: '61 * * * *'"),
+    )
+    policies, errors = load_policies_lenient(tmp_path / "p.yaml")
+    dags = build_dags(policies, errors)
+    assert "retention_audit_log" not in dags and "retention_webhook_deliveries" in dags
+    with pytest.raises(Exception, match="policy 'audit_log': cannot build its DAG"):
+        dags["retention_invalid_policies"].validate()

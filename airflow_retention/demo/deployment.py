@@ -1,0 +1,305 @@
+"""A real Airflow 3 deployment on this machine, for the scheduler tests, the drills and the benchmarks.
+
+Metadata in a PostgreSQL database of its own, LocalExecutor (or CeleryExecutor), the project's ``dags/``
+as the dags folder, and the real components as separate processes: api-server (on a free port),
+scheduler, dag-processor, triggerer. ``with Deployment(...) as d:`` starts them, waits for health and
+always stops them; a failed run's component logs are kept and their paths printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from airflow_retention.demo.airflow_home import airflow_environment
+
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+TERMINAL_RUN_STATES = {"success", "failed"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sqlalchemy_url(dsn: str) -> str:
+    """A psycopg2 SQLAlchemy URL for a libpq DSN (TCP or Unix socket)."""
+    from urllib.parse import quote
+
+    from psycopg2.extensions import parse_dsn
+
+    p = parse_dsn(dsn)
+    auth = quote(p.get("user", "postgres")) + (f":{quote(p['password'])}" if p.get("password") else "")
+    host = p.get("host", "127.0.0.1")
+    if host.startswith("/"):
+        return f"postgresql+psycopg2://{auth}@/{p.get('dbname', 'postgres')}?host={quote(host)}"
+    return f"postgresql+psycopg2://{auth}@{host}:{p.get('port', 5432)}/{p.get('dbname', 'postgres')}"
+
+
+class Deployment:
+    """Airflow components as processes over a metadata database created on ``server_dsn``.
+
+    :param server_dsn: a PostgreSQL server where the metadata database is created (and dropped).
+    :param target_dsn: the database the retention DAGs purge (``retention_target`` connection).
+    :param dags_folder: the dags folder, normally the project's ``dags/``.
+    :param env: extra environment (``AIRFLOW_RETENTION_POLICIES``, executor settings, ...).
+    :param executor: ``LocalExecutor`` or ``CeleryExecutor``.
+    """
+
+    def __init__(
+        self,
+        *,
+        server_dsn: str,
+        target_dsn: str,
+        dags_folder: Path,
+        env: Mapping[str, str] | None = None,
+        executor: str = "LocalExecutor",
+        components: tuple[str, ...] = COMPONENTS,
+    ) -> None:
+        self.server_dsn = server_dsn
+        self.target_dsn = target_dsn
+        self.dags_folder = dags_folder
+        self.extra_env = dict(env or {})
+        self.executor = executor
+        self.components = components
+        self.home = Path(tempfile.mkdtemp(prefix="retention-deploy-"))
+        self.metadata_db = f"retention_airflow_{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.failed = False
+        self._token: str | None = None
+        self.env = self._environment()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def _environment(self) -> dict[str, str]:
+        """The components' environment: computed once, since they must share one JWT secret."""
+        from psycopg2.extensions import make_dsn
+
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+        env.update(airflow_environment(self.home, self.dags_folder, self.target_dsn))
+        env.update(
+            {
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(
+                    make_dsn(self.server_dsn, dbname=self.metadata_db)
+                ),
+                "AIRFLOW__CORE__EXECUTOR": self.executor,
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base_url}/execution/",
+                "AIRFLOW__API__BASE_URL": self.base_url,
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+                "AIRFLOW__API_AUTH__JWT_SECRET": uuid.uuid4().hex + uuid.uuid4().hex,
+                "AIRFLOW__CORE__PARALLELISM": "8",
+                "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+                "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+                "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+                "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.update(self.extra_env)
+        return env
+
+    def airflow(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """Run an ``airflow`` CLI command in this deployment's environment."""
+        exe = str(Path(sys.executable).with_name("airflow"))
+        return subprocess.run([exe, *args], env=self.env, check=check, capture_output=True, text=True, timeout=timeout)
+
+    def start(self, health_timeout: float = 180) -> Deployment:
+        import psycopg2
+
+        admin = psycopg2.connect(self.server_dsn)
+        admin.autocommit = True
+        try:
+            with admin.cursor() as cur:
+                cur.execute(f'CREATE DATABASE "{self.metadata_db}"')
+        finally:
+            admin.close()
+        self.airflow("db", "migrate")
+        exe = str(Path(sys.executable).with_name("airflow"))
+        for component in self.components:
+            log = (self.home / f"{component}.log").open("wb")
+            args = [exe, component] + (["--port", str(self.port)] if component == "api-server" else [])
+            self.processes[component] = subprocess.Popen(
+                args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.wait_healthy(health_timeout)
+        return self
+
+    def wait_healthy(self, timeout: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout
+        wanted = {"metadatabase", "scheduler"} | {
+            {"triggerer": "triggerer", "dag-processor": "dag_processor"}[c]
+            for c in self.components
+            if c in ("triggerer", "dag-processor")
+        }
+        last: Any = None
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                last = requests.get(f"{self.base_url}/api/v2/monitor/health", timeout=5).json()
+                if all((last.get(k) or {}).get("status") == "healthy" for k in wanted):
+                    return
+            except (requests.RequestException, ValueError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"Airflow not healthy after {timeout:.0f}s: {last}; logs in {self.home}")
+
+    def _check_alive(self) -> None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                self.failed = True
+                raise RuntimeError(f"{name} exited with {proc.returncode}; log: {self.home / (name + '.log')}")
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 20
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        self._kill_leftovers()
+        import psycopg2
+
+        admin = psycopg2.connect(self.server_dsn)
+        admin.autocommit = True
+        try:
+            with admin.cursor() as cur:
+                cur.execute(f'DROP DATABASE IF EXISTS "{self.metadata_db}" WITH (FORCE)')
+        finally:
+            admin.close()
+        if self.failed:
+            print(f"\nAirflow component logs kept in {self.home}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def _kill_leftovers(self) -> None:
+        """Task processes started by a component outlive it in their own sessions; find them by home."""
+        marker = f"AIRFLOW_HOME={self.home}".encode()
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+                continue
+            try:
+                if marker in (pid_dir / "environ").read_bytes():
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+
+    def __enter__(self) -> Deployment:
+        try:
+            return self.start()
+        except BaseException:
+            self.failed = True
+            self.stop()
+            raise
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self.failed = True
+        self.stop()
+
+    # -- the REST API, authenticated as the UI is -------------------------------------------------------
+
+    @property
+    def admin_password(self) -> str:
+        data = json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())
+        return str(data["admin"])
+
+    def token(self) -> str:
+        import requests
+
+        if self._token is None:
+            response = requests.post(
+                f"{self.base_url}/auth/token",
+                json={"username": "admin", "password": self.admin_password},
+                timeout=30,
+            )
+            response.raise_for_status()
+            self._token = response.json()["access_token"]
+        return self._token
+
+    def api(self, method: str, path: str, **kwargs: Any) -> Any:
+        import requests
+
+        response = requests.request(
+            method,
+            f"{self.base_url}/api/v2{path}",
+            headers={"Authorization": f"Bearer {self.token()}"},
+            timeout=60,
+            **kwargs,
+        )
+        if response.status_code >= 400:
+            raise RuntimeError(f"{method} {path}: {response.status_code} {response.text}")
+        return response.json() if response.content else None
+
+    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> dict[str, Any]:
+        return self.wait_until(lambda: self._dag_or_none(dag_id), timeout, f"DAG {dag_id} to be parsed")
+
+    def _dag_or_none(self, dag_id: str) -> dict[str, Any] | None:
+        try:
+            return self.api("GET", f"/dags/{dag_id}")
+        except RuntimeError:
+            return None
+
+    def unpause(self, dag_id: str) -> None:
+        self.api("PATCH", f"/dags/{dag_id}", json={"is_paused": False})
+
+    def pause(self, dag_id: str) -> None:
+        self.api("PATCH", f"/dags/{dag_id}", json={"is_paused": True})
+
+    def runs(self, dag_id: str) -> list[dict[str, Any]]:
+        return self.api("GET", f"/dags/{dag_id}/dagRuns", params={"order_by": "logical_date", "limit": 100})["dag_runs"]
+
+    def wait_for_runs(
+        self, dag_id: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 180
+    ) -> list[dict[str, Any]]:
+        """Poll the dag runs until ``done(runs)``; runs are dicts of the REST API."""
+
+        def check() -> list[dict[str, Any]] | None:
+            runs = self.runs(dag_id)
+            return runs if done(runs) else None
+
+        return self.wait_until(check, timeout, f"runs of {dag_id}")
+
+    def wait_until(self, probe: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            value = probe()
+            if value:
+                return value
+            time.sleep(interval)
+        self.failed = True
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.home}")

@@ -1,0 +1,86 @@
+"""One real Airflow deployment for the module: metadata in PostgreSQL, LocalExecutor, the project's
+``dags/`` as dags folder, scheduler / dag-processor / api-server / triggerer as separate processes."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pytest
+import yaml
+from psycopg2.extensions import make_dsn
+
+from airflow_retention.core.cutoff import freeze_cutoff
+from airflow_retention.core.policy import RetentionPolicy, load_policies
+from airflow_retention.demo.deployment import Deployment
+from airflow_retention.demo.seed import seed_examples
+from tests.conftest import DSN, REPO
+
+TODAY = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+ARTIFACTS = REPO / "test-artifacts"
+
+
+def day(offset: int) -> datetime:
+    """Midnight UTC ``offset`` days from today (negative: in the past)."""
+    return TODAY + timedelta(days=offset)
+
+
+def policies_yaml(path: Path) -> Path:
+    """The example policies, made to exercise the scheduler: webhook deliveries scheduled with catchup
+    from two days ago; the others without catchup (the backfill and UI tests fill their missed days)."""
+    doc = yaml.safe_load((REPO / "dags" / "retention_policies.yaml").read_text())
+    doc["defaults"].update({"retries": 1, "retry_delay": "2s"})
+    for policy in doc["policies"]:
+        policy["start_date"] = day(-2 if policy["name"] == "webhook_deliveries" else -12).isoformat()
+        policy["catchup"] = policy["name"] == "webhook_deliveries"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_dsn() -> Iterator[str]:
+    name = f"retention_target_{uuid.uuid4().hex[:8]}"
+    admin = psycopg2.connect(DSN)
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(f'CREATE DATABASE "{name}"')
+    yield make_dsn(DSN, dbname=name)
+    with admin.cursor() as cur:
+        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin.close()
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return policies_yaml(tmp_path_factory.mktemp("policies") / "policies.yaml")
+
+
+@pytest.fixture(scope="module")
+def policy_map(policies: Path) -> dict[str, RetentionPolicy]:
+    return {p.name: p for p in load_policies(policies)}
+
+
+@pytest.fixture(scope="module")
+def target(target_dsn: str, policy_map: dict[str, RetentionPolicy]) -> Iterator[Any]:
+    """The example tables, seeded around today's cutoffs; an autocommit connection to them."""
+    conn = psycopg2.connect(target_dsn)
+    cutoffs = {name: [freeze_cutoff(p, day(d)) for d in range(-12, 1)] for name, p in policy_map.items()}
+    seed_examples(conn, TODAY, cutoffs)
+    conn.autocommit = True
+    yield conn
+    conn.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(target: Any, target_dsn: str, policies: Path) -> Iterator[Deployment]:
+    with Deployment(
+        server_dsn=DSN,
+        target_dsn=target_dsn,
+        dags_folder=REPO / "dags",
+        env={"AIRFLOW_RETENTION_POLICIES": str(policies)},
+    ) as running:
+        yield running

@@ -1,0 +1,160 @@
+"""What users do with a running Airflow 3: the scheduler's own runs, backfills through the REST API as
+the UI makes them, and a pipeline that reuses the retention pieces, all asserted on the tables and the
+ledger. Run alone with ``pytest -m scheduler``."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from airflow_retention.core.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.demo.deployment import Deployment
+from airflow_retention.demo.seed import snapshot
+from tests.deployment.conftest import day
+
+pytestmark = pytest.mark.scheduler
+
+LEDGER = Ledger("retention")
+
+
+def iso(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def ledger_run(conn: Any, policy: RetentionPolicy, logical_date: datetime) -> dict[str, Any] | None:
+    return LEDGER.get_run(conn, run_key(policy, freeze_cutoff(policy, logical_date)))
+
+
+def finished(runs: list[dict[str, Any]], count: int) -> bool:
+    return len(runs) >= count and all(r["state"] in ("success", "failed") for r in runs)
+
+
+def test_the_provider_is_registered_and_the_dags_parse(deployment: Deployment) -> None:
+    providers = {p["package_name"] for p in deployment.api("GET", "/providers")["providers"]}
+    assert "airflow-retention" in providers
+    for dag_id in (
+        "retention_webhook_deliveries",
+        "retention_tenant_events",
+        "retention_audit_log",
+        "example_nightly_maintenance",
+    ):
+        assert deployment.wait_for_dag(dag_id)["is_paused"] is True
+    assert deployment.api("GET", "/importErrors")["total_entries"] == 0
+
+
+def test_the_scheduler_creates_and_runs_the_scheduled_runs(
+    deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
+) -> None:
+    policy = policy_map["webhook_deliveries"]
+    before = snapshot(target, policy, freeze_cutoff(policy, day(0)))
+    deployment.wait_for_dag("retention_webhook_deliveries")
+    deployment.unpause("retention_webhook_deliveries")
+    # catchup from two days ago: the scheduler itself creates a run per day, one at a time.
+    runs = deployment.wait_for_runs("retention_webhook_deliveries", lambda rs: finished(rs, 3), timeout=240)
+    assert [r["run_type"] for r in runs] == ["scheduled"] * 3
+    assert [r["state"] for r in runs] == ["success"] * 3
+    assert [r["logical_date"][:10] for r in runs] == [d.date().isoformat() for d in (day(-2), day(-1), day(0))]
+    for r in runs:
+        run = ledger_run(target, policy, datetime.fromisoformat(r["logical_date"].replace("Z", "+00:00")))
+        assert run is not None and run["state"] == "complete"
+        assert run["chunks_completed"] == run["chunks_expected"]
+    after = snapshot(target, policy, freeze_cutoff(policy, day(0)))
+    assert after.eligible == 0
+    assert (after.total, after.keep_checksum) == (before.keep_count, before.keep_checksum)
+    assert before.eligible > 0
+    deployment.pause("retention_webhook_deliveries")
+
+
+def backfill(deployment: Deployment, dag_id: str, start: datetime, end: datetime, reprocess: str) -> dict[str, Any]:
+    """Create a backfill exactly as the UI's dialog does: POST /api/v2/backfills, as the logged-in user."""
+    created = deployment.api(
+        "POST",
+        "/backfills",
+        json={
+            "dag_id": dag_id,
+            "from_date": iso(start),
+            "to_date": iso(end),
+            "run_backwards": False,
+            "dag_run_conf": {},
+            "reprocess_behavior": reprocess,
+            "max_active_runs": 1,
+        },
+    )
+    return deployment.wait_until(
+        lambda: (b := deployment.api("GET", f"/backfills/{created['id']}"))["completed_at"] and b,
+        timeout=240,
+        what=f"backfill {created['id']} of {dag_id}",
+    )
+
+
+def test_backfills_through_the_rest_api_with_reprocess_behaviours(
+    deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
+) -> None:
+    dag_id = "retention_tenant_events"
+    policy = policy_map["tenant_events"]
+    latest = freeze_cutoff(policy, day(0))
+    before = snapshot(target, policy, latest)
+    deployment.wait_for_dag(dag_id)
+    deployment.unpause(dag_id)
+    # catchup off: unpausing creates only the latest run.
+    (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=180)
+    assert (scheduled["run_type"], scheduled["state"]) == ("scheduled", "success")
+    # The DAG stays unpaused: Airflow does not run the backfill runs of a paused DAG.
+
+    # Three missed days; their cutoffs are older than the latest run's, so they find nothing left.
+    backfill(deployment, dag_id, day(-6), day(-4), "none")
+    runs = {r["logical_date"][:10]: r for r in deployment.runs(dag_id)}
+    for d in (day(-6), day(-5), day(-4)):
+        assert runs[d.date().isoformat()]["run_type"] == "backfill"
+        assert runs[d.date().isoformat()]["state"] == "success"
+        run = ledger_run(target, policy, d)
+        assert run is not None and run["state"] == "complete" and run["rows_deleted"] == 0
+
+    # An overlapping range with "none": only the day without a run is created.
+    count = len(deployment.runs(dag_id))
+    backfill(deployment, dag_id, day(-5), day(-3), "none")
+    assert len(deployment.runs(dag_id)) == count + 1
+    assert ledger_run(target, policy, day(-3))["state"] == "complete"
+
+    # "completed": the completed days run again; the ledger makes that harmless.
+    chunks_before = LEDGER.chunk_rows(target, run_key(policy, latest))
+    starts = {r["logical_date"][:10]: r["start_date"] for r in deployment.runs(dag_id)}
+    backfill(deployment, dag_id, day(-5), day(-4), "completed")
+    rerun = {r["logical_date"][:10]: r for r in deployment.runs(dag_id)}
+    for d in (day(-5), day(-4)):
+        assert rerun[d.date().isoformat()]["state"] == "success"
+        assert rerun[d.date().isoformat()]["start_date"] != starts[d.date().isoformat()]
+    assert LEDGER.chunk_rows(target, run_key(policy, latest)) == chunks_before
+    after = snapshot(target, policy, latest)
+    assert after.eligible == 0
+    assert (after.total, after.keep_checksum) == (before.keep_count, before.keep_checksum)
+
+
+def test_a_pipeline_reusing_the_task_group_and_a_lone_chunk(
+    deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
+) -> None:
+    dag_id = "example_nightly_maintenance"
+    deployment.wait_for_dag(dag_id)
+    deployment.unpause(dag_id)
+    logical = day(-1)
+    deployment.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": iso(logical)})
+    (run,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=180)
+    assert run["state"] == "success"
+    states = {
+        ti["task_id"]: ti["state"]
+        for ti in deployment.api("GET", f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
+    }
+    assert states["export_daily_report"] == states["purge_audit_log.verify"] == "success"
+    assert states["purge_old_webhooks"] == states["notify"] == "success"
+    audit = policy_map["audit_log"]
+    assert ledger_run(target, audit, logical)["state"] == "complete"
+    assert snapshot(target, audit, freeze_cutoff(audit, logical)).eligible == 0
+    webhooks = policy_map["webhook_deliveries"]
+    lone = LEDGER.get_run(target, run_key(webhooks, freeze_cutoff(webhooks, logical), lone=True))
+    assert lone is not None
+    (chunk,) = LEDGER.chunk_rows(target, lone["run_key"])
+    assert chunk["state"] == "complete" and chunk["completed_dag_id"] == dag_id
