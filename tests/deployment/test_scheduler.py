@@ -14,7 +14,7 @@ from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.demo.deployment import Deployment
 from airflow_retention.demo.seed import snapshot
-from tests.deployment.conftest import day
+from tests.deployment.conftest import ARTIFACTS, day
 
 pytestmark = pytest.mark.scheduler
 
@@ -132,6 +132,75 @@ def test_backfills_through_the_rest_api_with_reprocess_behaviours(
     after = snapshot(target, policy, latest)
     assert after.eligible == 0
     assert (after.total, after.keep_checksum) == (before.keep_count, before.keep_checksum)
+
+
+def test_a_backfill_created_in_the_ui_and_one_from_the_cli(
+    deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
+) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.deployment import ui
+
+    dag_id = "retention_audit_log"
+    policy = policy_map["audit_log"]
+    missed = day(-4)
+    assert snapshot(target, policy, freeze_cutoff(policy, missed)).eligible > 0
+    deployment.wait_for_dag(dag_id)
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = ui.launch_browser(p)
+        try:
+            page = ui.new_page(browser)
+            ui.login(page, deployment.base_url, "admin", deployment.admin_password)
+            # The DAG is paused: the dialog's "Unpause on trigger" box is ticked, as a user leaves it.
+            created = ui.create_backfill(
+                page,
+                deployment.base_url,
+                dag_id,
+                missed.date().isoformat(),
+                missed.date().isoformat(),
+                reprocess="none",
+            )
+            assert created.expected_runs == 1
+            (run,) = ui.wait_for_runs(page, deployment.base_url, dag_id, 1, 240, backfill=created)
+            ui.screenshot_grid(page, deployment.base_url, dag_id, str(ARTIFACTS / "ui-backfill-grid.png"))
+        finally:
+            browser.close()
+    assert (run["run_type"], run["state"], run["logical_date"][:10]) == (
+        "backfill",
+        "success",
+        missed.date().isoformat(),
+    )
+    assert run["triggering_user_name"] == "admin"
+    # Unpausing also let the scheduler create today's run, whose later cutoff may have taken the rows
+    # first: either way the missed day's run is complete and nothing eligible at its cutoff is left.
+    ledger = ledger_run(target, policy, missed)
+    assert ledger is not None and ledger["state"] == "complete"
+    assert snapshot(target, policy, freeze_cutoff(policy, missed)).eligible == 0
+    assert ARTIFACTS.joinpath("ui-backfill-grid.png").stat().st_size > 10_000
+
+    # The same from the command line, for the next missed day.
+    cli_day = day(-3)
+    out = deployment.airflow(
+        "backfill",
+        "create",
+        "--dag-id",
+        dag_id,
+        "--from-date",
+        cli_day.date().isoformat(),
+        "--to-date",
+        cli_day.date().isoformat(),
+        "--reprocess-behavior",
+        "none",
+    )
+    assert out.returncode == 0, out.stderr
+    deployment.wait_until(
+        lambda: (r := ledger_run(target, policy, cli_day)) is not None and r["state"] == "complete",
+        timeout=180,
+        what="the CLI backfill's run to complete in the ledger",
+    )
+    runs = {r["logical_date"][:10]: r for r in deployment.runs(dag_id)}
+    assert runs[cli_day.date().isoformat()]["run_type"] == "backfill"
 
 
 def test_a_pipeline_reusing_the_task_group_and_a_lone_chunk(

@@ -15,7 +15,8 @@ Example::
     with sync_playwright() as p:
         browser = launch_browser(p)
         page = new_page(browser)
-        login(page, "http://127.0.0.1:8080", "admin", password)
+        base = "http://127.0.0.1:8080"
+        login(page, base, "admin", password)
         backfill = create_backfill(page, base, "my_dag", "2026-11-25", "2026-11-27", reprocess="failed")
         wait_for_runs(page, base, "my_dag", backfill.expected_runs, 300, backfill=backfill)
         screenshot_grid(page, base, "my_dag", "/tmp/grid.png")
@@ -27,7 +28,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
@@ -117,21 +118,28 @@ def _to_utc_datetime(value: str) -> datetime:
 def login(page: Page, base_url: str, username: str, password: str, timeout_s: float = 30.0) -> None:
     """Sign in through the Simple auth manager's login form; on return the ``_token`` cookie is set.
 
-    Raises RuntimeError when the form is still shown after submitting (wrong password, etc.).
+    The form posts to ``/auth/token``; RuntimeError when that is refused (wrong password: 401) or when the
+    page does not leave ``/auth/login`` within ``timeout_s``.
     """
     base = _base(base_url)
     page.goto(f"{base}/auth/login?next=/", timeout=timeout_s * 1000)
     page.locator(SEL_LOGIN_USER).fill(username)
     page.locator(SEL_LOGIN_PASSWORD).fill(password)
-    page.locator(SEL_LOGIN_SUBMIT).click()
+
+    def is_token(r: Response) -> bool:
+        return r.request.method == "POST" and urlparse(r.url).path.endswith("/auth/token")
+
+    with page.expect_response(is_token, timeout=timeout_s * 1000) as token_info:
+        page.locator(SEL_LOGIN_SUBMIT).click()
+    resp = token_info.value
+    if not resp.ok:
+        raise RuntimeError(f"login as {username!r} refused: HTTP {resp.status} {resp.text()[:200]}")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if "/auth/login" not in urlparse(page.url).path and _session_token(page):
             return
         page.wait_for_timeout(200)
-    alert = page.get_by_role("alert")
-    detail = alert.first.inner_text() if alert.count() else ""
-    raise RuntimeError(f"login as {username!r} failed at {page.url}: {detail.strip()!r}")
+    raise RuntimeError(f"login as {username!r}: still at {page.url} after {timeout_s:.0f}s")
 
 
 def _session_token(page: Page) -> str | None:
@@ -152,6 +160,17 @@ def api_get(page: Page, base_url: str, path: str, params: dict[str, Any] | None 
     if not resp.ok:
         raise RuntimeError(f"GET {path} -> HTTP {resp.status}: {resp.text()[:500]}")
     return resp.json()
+
+
+def _list_runs(page: Page, base_url: str, dag_id: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """All runs of a Dag matching ``params`` (``GET /api/v2/dags/{dag_id}/dagRuns``, every page)."""
+    runs: list[dict[str, Any]] = []
+    while True:
+        page_params = {**params, "limit": 100, "offset": len(runs)}
+        data = api_get(page, base_url, f"/api/v2/dags/{dag_id}/dagRuns", page_params)
+        runs.extend(data["dag_runs"])
+        if not data["dag_runs"] or len(runs) >= data["total_entries"]:
+            return runs
 
 
 def _set_local_storage(page: Page, key: str, value: Any) -> None:
@@ -296,23 +315,20 @@ def _backfill_runs(
 ) -> tuple[list[dict[str, Any]], bool]:
     """The runs a backfill made or re-ran (or every backfill-type run), and whether the backfill is done."""
     if backfill is None:
-        data = api_get(page, base_url, f"/api/v2/dags/{dag_id}/dagRuns", {"run_type": "backfill", "limit": 100})
-        return data["dag_runs"], True
-    data = api_get(
-        page,
-        base_url,
-        f"/api/v2/dags/{dag_id}/dagRuns",
-        {"logical_date_gte": backfill.from_date, "logical_date_lte": backfill.to_date, "limit": 100},
+        return _list_runs(page, base_url, dag_id, {"run_type": "backfill"}), True
+    candidates = _list_runs(
+        page, base_url, dag_id, {"logical_date_gte": backfill.from_date, "logical_date_lte": backfill.to_date}
     )
-    created = _to_utc_datetime(backfill.created_at)
+    created = _to_utc_datetime(backfill.created_at) - timedelta(seconds=1)  # slack for clock rounding
     wanted = {_to_utc_datetime(d) for d in backfill.logical_dates}
     runs = [
         r
-        for r in data["dag_runs"]
+        for r in candidates
         if r.get("queued_at")
         and _to_utc_datetime(r["queued_at"]) >= created  # re-run runs keep their run_id but are queued anew
         and (not wanted or _to_utc_datetime(r["logical_date"]) in wanted)
     ]
+    runs.sort(key=lambda r: r["logical_date"] or "")
     info = api_get(page, base_url, f"/api/v2/backfills/{backfill.id}")
     return runs, info.get("completed_at") is not None
 
@@ -328,13 +344,17 @@ def wait_for_runs(
     poll_s: float = 2.0,
     require_success: bool = True,
     check_grid: bool = True,
+    wait_backfill_done: bool = True,
 ) -> list[dict[str, Any]]:
     """Wait until ``count`` backfill runs of ``dag_id`` are finished, and the grid shows them so.
 
     With ``backfill`` (what :func:`create_backfill` returned) only the runs that backfill queued count, and
-    the backfill itself must be marked completed (so a next backfill of the Dag is accepted); without it,
-    any ``run_type=backfill`` run counts. States are polled over the REST API as the page's user; then the
-    Dag's page is reloaded and each run's bar in the grid is hovered and its tooltip's "State:" must match.
+    unless ``wait_backfill_done`` is False the backfill itself must be marked completed too: the scheduler does
+    that up to ~30 s after its last run ends, and until then the UI shows "Backfill in progress" and refuses
+    another backfill of the Dag. Without ``backfill``, any ``run_type=backfill`` run counts.
+
+    States are polled over the REST API as the page's user; then the Dag's page is reloaded and each run's
+    bar in the grid is hovered and its tooltip's "State:" must match (``check_grid``).
     Returns the runs (REST JSON). Raises TimeoutError, or AssertionError when ``require_success`` and a run
     failed or the grid disagrees.
     """
@@ -344,7 +364,7 @@ def wait_for_runs(
     while True:
         runs, backfill_done = _backfill_runs(page, base_url, dag_id, backfill)
         finished = [r for r in runs if r["state"] in TERMINAL_STATES]
-        done = len(runs) >= count and len(finished) == len(runs) and backfill_done
+        done = len(runs) >= count and len(finished) == len(runs) and (backfill_done or not wait_backfill_done)
         if done or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
@@ -353,14 +373,18 @@ def wait_for_runs(
         raise TimeoutError(f"after {timeout_s:.0f}s {len(runs)}/{count} runs of {dag_id}, states: {states}")
     if require_success:
         failed = [r["dag_run_id"] for r in runs if r["state"] != "success"]
-        assert not failed, f"runs of {dag_id} did not succeed: {failed}"
+        if failed:
+            raise AssertionError(f"runs of {dag_id} did not succeed: {failed}")
     if check_grid:
         _check_grid(page, base_url, dag_id, runs)
     return runs
 
 
 def _show_runs_in_grid(page: Page, base_url: str, dag_id: str, runs: list[dict[str, Any]]) -> None:
-    """Make the grid's "Number of Dag Runs" large enough to include the oldest of ``runs``, then load it."""
+    """Make the grid's "Number of Dag Runs" large enough to include the oldest of ``runs``, then load it.
+
+    The setting is the UI's own (the grid's options menu) and stays in the browser context's localStorage.
+    """
     limit = 10  # the UI's default
     if runs:
         oldest = min(r["run_after"] for r in runs)
@@ -387,7 +411,8 @@ def _check_grid(page: Page, base_url: str, dag_id: str, runs: list[dict[str, Any
         match = re.search(r"State:\s*(\w+)", tooltip.inner_text())
         page.mouse.move(0, 0)
         shown = match.group(1).lower() if match else None
-        assert shown == run["state"], f"grid shows {run_id} as {shown!r}, the API says {run['state']!r}"
+        if shown != run["state"]:
+            raise AssertionError(f"the grid shows {run_id} as {shown!r}, the API says {run['state']!r}")
 
 
 def screenshot_grid(
