@@ -22,7 +22,7 @@ import pytest
 from psycopg2.extensions import make_dsn, parse_dsn
 
 from airflow_retention.demo.airflow_home import airflow_environment
-from airflow_retention.demo.postgres import resolve_dsn
+from airflow_retention.demo.postgres import admin_execute, resolve_dsn
 
 REPO = Path(__file__).resolve().parents[1]
 DSN = resolve_dsn()
@@ -48,21 +48,11 @@ def _admin(dsn: str = DSN) -> Any:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    conn = _admin()
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{E2E_DB}"')
-    finally:
-        conn.close()
+    admin_execute(DSN, f'CREATE DATABASE "{E2E_DB}"')
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    conn = _admin()
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{E2E_DB}" WITH (FORCE)')
-    finally:
-        conn.close()
+    admin_execute(DSN, f'DROP DATABASE IF EXISTS "{E2E_DB}" WITH (FORCE)')
     shutil.rmtree(AIRFLOW_HOME, ignore_errors=True)
 
 

@@ -209,14 +209,11 @@ def _ensure_chunk_row(
         if lone:
             ledger.register_run(
                 cur,
-                RunRecord(
-                    run_key=key,
-                    policy=policy.name,
-                    target_table=str(policy.table),
-                    cutoff=cutoff,
-                    dry_run=policy.dry_run,
+                RunRecord.of(
+                    policy,
+                    key,
+                    cutoff,
                     chunk_rows=policy.chunk_rows,
-                    batch_size=policy.batch_size,
                     chunks_expected=0,
                     rows_planned=0,
                     planned_by=f"lone chunk {chunk.key} ({attempt.label()})",

@@ -15,6 +15,7 @@ from typing import Any
 from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import quote_ident
+from airflow_retention.core.policy import RetentionPolicy
 
 SCHEMA_VERSION = 1
 
@@ -380,6 +381,31 @@ class RunRecord:
     chunks_expected: int
     rows_planned: int
     planned_by: str | None
+
+    @classmethod
+    def of(
+        cls,
+        policy: RetentionPolicy,
+        run_key: str,
+        cutoff: datetime,
+        *,
+        chunk_rows: int,
+        chunks_expected: int,
+        rows_planned: int,
+        planned_by: str | None,
+    ) -> RunRecord:
+        return cls(
+            run_key=run_key,
+            policy=policy.name,
+            target_table=str(policy.table),
+            cutoff=cutoff,
+            dry_run=policy.dry_run,
+            chunk_rows=chunk_rows,
+            batch_size=policy.batch_size,
+            chunks_expected=chunks_expected,
+            rows_planned=rows_planned,
+            planned_by=planned_by,
+        )
 
 
 _RUN_FIELDS = (

@@ -239,14 +239,11 @@ def plan_run(
     with dbapi.transaction(conn) as cur:
         created = ledger.register_run(
             cur,
-            RunRecord(
-                run_key=key,
-                policy=policy.name,
-                target_table=str(policy.table),
-                cutoff=cutoff,
-                dry_run=policy.dry_run,
+            RunRecord.of(
+                policy,
+                key,
+                cutoff,
                 chunk_rows=size,
-                batch_size=policy.batch_size,
                 chunks_expected=len(chunks),
                 rows_planned=rows,
                 planned_by=planned_by,

@@ -165,17 +165,11 @@ def dbapi_count(conn: Any, table_sql: str) -> int:
 
 
 def recreate_database(server_dsn: str, name: str) -> str:
-    import psycopg2
     from psycopg2.extensions import make_dsn
 
-    admin = psycopg2.connect(server_dsn)
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            cur.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        admin.close()
+    from airflow_retention.demo.postgres import admin_execute
+
+    admin_execute(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"')
     return make_dsn(server_dsn, dbname=name)
 
 

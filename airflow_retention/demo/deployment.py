@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from airflow_retention.demo.airflow_home import airflow_environment
+from airflow_retention.demo.postgres import admin_execute
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 TERMINAL_RUN_STATES = {"success", "failed"}
@@ -122,15 +123,7 @@ class Deployment:
         return subprocess.run([exe, *args], env=self.env, check=check, capture_output=True, text=True, timeout=timeout)
 
     def start(self, health_timeout: float = 180) -> Deployment:
-        import psycopg2
-
-        admin = psycopg2.connect(self.server_dsn)
-        admin.autocommit = True
-        try:
-            with admin.cursor() as cur:
-                cur.execute(f'CREATE DATABASE "{self.metadata_db}"')
-        finally:
-            admin.close()
+        admin_execute(self.server_dsn, f'CREATE DATABASE "{self.metadata_db}"')
         self.airflow("db", "migrate")
         exe = str(Path(sys.executable).with_name("airflow"))
         for component in self.components:
@@ -189,15 +182,7 @@ class Deployment:
                     pass
                 proc.wait(timeout=10)
         self._kill_leftovers()
-        import psycopg2
-
-        admin = psycopg2.connect(self.server_dsn)
-        admin.autocommit = True
-        try:
-            with admin.cursor() as cur:
-                cur.execute(f'DROP DATABASE IF EXISTS "{self.metadata_db}" WITH (FORCE)')
-        finally:
-            admin.close()
+        admin_execute(self.server_dsn, f'DROP DATABASE IF EXISTS "{self.metadata_db}" WITH (FORCE)')
         if self.failed:
             print(f"\nAirflow component logs kept in {self.home}", file=sys.stderr)
         else:

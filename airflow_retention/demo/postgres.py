@@ -39,6 +39,20 @@ def resolve_dsn(explicit: str | None = None) -> str:
     return start_embedded()
 
 
+def admin_execute(server_dsn: str, *statements: str) -> None:
+    """Run statements that cannot run in a transaction (CREATE / DROP DATABASE) on the server."""
+    import psycopg2
+
+    conn = psycopg2.connect(server_dsn)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)
+    finally:
+        conn.close()
+
+
 def start_embedded() -> str:
     global _embedded
     if _embedded is None:

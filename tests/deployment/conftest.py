@@ -17,6 +17,7 @@ from psycopg2.extensions import make_dsn
 from airflow_retention.core.cutoff import freeze_cutoff
 from airflow_retention.core.policy import RetentionPolicy, load_policies
 from airflow_retention.demo.deployment import Deployment
+from airflow_retention.demo.postgres import admin_execute
 from airflow_retention.demo.seed import seed_examples
 from tests.conftest import DSN, REPO
 
@@ -44,14 +45,9 @@ def policies_yaml(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def target_dsn() -> Iterator[str]:
     name = f"retention_target_{uuid.uuid4().hex[:8]}"
-    admin = psycopg2.connect(DSN)
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'CREATE DATABASE "{name}"')
+    admin_execute(DSN, f'CREATE DATABASE "{name}"')
     yield make_dsn(DSN, dbname=name)
-    with admin.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    admin.close()
+    admin_execute(DSN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture(scope="module")
