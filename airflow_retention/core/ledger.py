@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS {s}.chunks (
     completed_map_index integer,
     completed_try_number integer,
     completed_host     text,
+    last_host          text,
     outcome            text CHECK (outcome IN ('deleted', 'nothing_to_delete', 'dry_run')),
     last_error         text,
     PRIMARY KEY (run_key, chunk_key),
@@ -310,7 +311,7 @@ class Ledger:
             " completed_map_index = CASE WHEN %(complete)s::boolean THEN %(map_index)s::integer END,"
             " completed_try_number = CASE WHEN %(complete)s::boolean THEN %(try_number)s::integer END,"
             " completed_host = CASE WHEN %(complete)s::boolean THEN %(host)s::text END,"
-            " last_error = NULL"
+            " last_host = %(host)s::text, last_error = NULL"
             " WHERE run_key = %(r)s AND chunk_key = %(c)s AND state <> 'complete'",
             {
                 "r": run_key,
@@ -418,6 +419,6 @@ _CHUNK_FIELDS = (
     "run_key", "chunk_key", "seq", "tenants", "lo", "hi", "rows_planned", "state", "next_key",
     "rows_deleted", "rows_archived", "rows_matched", "batches", "attempts", "first_started_at",
     "last_batch_at", "completed_at", "completed_dag_id", "completed_run_id", "completed_map_index",
-    "completed_try_number", "completed_host", "outcome", "last_error",
+    "completed_try_number", "completed_host", "last_host", "outcome", "last_error",
 )  # fmt: skip
 _CHUNK_COLUMNS = ", ".join(_CHUNK_FIELDS)

@@ -21,7 +21,7 @@ from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_c
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import boundary_statement, group_statement
+from airflow_retention.core.sql import boundary_statement, group_statement, null_timestamps_statement
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,20 @@ def _merge(groups: list[Group]) -> Group:
     )
 
 
+def warn_null_timestamps(conn: Any, policy: RetentionPolicy) -> int:
+    (count,) = dbapi.fetch_all(conn, null_timestamps_statement(policy))[0]
+    if count:
+        log.warning(
+            "policy %s: %d row(s) of %s have a NULL %s: they are never deleted; give them a timestamp or"
+            " delete them by hand",
+            policy.name,
+            count,
+            policy.table,
+            policy.timestamp_column,
+        )
+    return int(count)
+
+
 def split(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, groups: list[Group], chunk_rows: int
 ) -> list[ChunkSpec]:
@@ -213,6 +227,7 @@ def plan_run(
     target = target or inspect_target(conn, policy)
     refuse_future_cutoff(conn, policy, cutoff)
     groups = read_groups(conn, policy, target, cutoff)
+    warn_null_timestamps(conn, policy)
     if math.ceil(len(groups) / MAX_TENANTS_PER_CHUNK) > max_chunks:
         log.warning(
             "policy %s: %d tenants have eligible rows, more than %d chunks of at most %d tenants can list;"

@@ -100,6 +100,11 @@ def boundary_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_fi
     return f"SELECT {key} FROM {table}\nWHERE {pred}\nORDER BY {key}\nOFFSET %(offset)s::bigint LIMIT 1"
 
 
+def null_timestamps_statement(policy: RetentionPolicy) -> str:
+    """Rows whose timestamp is NULL: never eligible (``NULL < cutoff`` is not true), so reported."""
+    return f"SELECT count(*) FROM {policy.table.sql} WHERE {quote_ident(policy.timestamp_column)} IS NULL"
+
+
 def condition_probe(policy: RetentionPolicy) -> str:
     """A statement that makes the server parse and plan the condition without reading a row; it is run
     without parameters, so the condition goes in as written."""

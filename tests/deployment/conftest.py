@@ -1,5 +1,5 @@
-"""One real Airflow deployment for the module: metadata in PostgreSQL, LocalExecutor, the project's
-``dags/`` as dags folder, scheduler / dag-processor / api-server / triggerer as separate processes."""
+"""One real Airflow deployment shared by every module here: metadata in PostgreSQL, LocalExecutor, the
+project's ``dags/`` as dags folder, scheduler / dag-processor / api-server / triggerer as separate processes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,23 @@ TODAY = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microseco
 ARTIFACTS = REPO / "test-artifacts"
 
 
+# The recovery drill (test_recovery_drill.py): 10 tenants x 20 chunks x 5,000 rows, four chunk tasks at once.
+DRILL_POLICY = {
+    "name": "drill_events",
+    "table": "drill.events",
+    "key_column": "id",
+    "timestamp_column": "created_at",
+    "tenant_column": "tenant_id",
+    "retention": "1 day",
+    "batch_size": 1000,
+    "chunk_rows": 5000,
+    "max_active_chunks": 4,
+    "lock_timeout": "60s",
+    "schedule": None,
+}
+EXAMPLES = ("webhook_deliveries", "tenant_events", "audit_log")
+
+
 def day(offset: int) -> datetime:
     """Midnight UTC ``offset`` days from today (negative: in the past)."""
     return TODAY + timedelta(days=offset)
@@ -38,11 +55,12 @@ def policies_yaml(path: Path) -> Path:
     for policy in doc["policies"]:
         policy["start_date"] = day(-2 if policy["name"] == "webhook_deliveries" else -12).isoformat()
         policy["catchup"] = policy["name"] == "webhook_deliveries"
+    doc["policies"].append(DRILL_POLICY)
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def target_dsn() -> Iterator[str]:
     name = f"retention_target_{uuid.uuid4().hex[:8]}"
     admin_execute(DSN, f'CREATE DATABASE "{name}"')
@@ -50,28 +68,28 @@ def target_dsn() -> Iterator[str]:
     admin_execute(DSN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def policies(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return policies_yaml(tmp_path_factory.mktemp("policies") / "policies.yaml")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def policy_map(policies: Path) -> dict[str, RetentionPolicy]:
     return {p.name: p for p in load_policies(policies)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def target(target_dsn: str, policy_map: dict[str, RetentionPolicy]) -> Iterator[Any]:
     """The example tables, seeded around today's cutoffs; an autocommit connection to them."""
     conn = psycopg2.connect(target_dsn)
-    cutoffs = {name: [freeze_cutoff(p, day(d)) for d in range(-12, 1)] for name, p in policy_map.items()}
+    cutoffs = {name: [freeze_cutoff(policy_map[name], day(d)) for d in range(-12, 1)] for name in EXAMPLES}
     seed_examples(conn, TODAY, cutoffs)
     conn.autocommit = True
     yield conn
     conn.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def deployment(target: Any, target_dsn: str, policies: Path) -> Iterator[Deployment]:
     with Deployment(
         server_dsn=DSN,

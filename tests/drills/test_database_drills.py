@@ -249,3 +249,22 @@ def test_a_ledger_the_role_cannot_write_fails_clearly_and_deletes_nothing(
     finally:
         conn.close()
     assert eligible_ids(admin, table) == eligible
+
+
+def test_rows_with_a_null_timestamp_are_never_deleted_and_reported(
+    schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = create_events(admin, schema)
+    rows(admin, f"ALTER TABLE {table} ALTER COLUMN created_at DROP NOT NULL")
+    fill_events(admin, table, 2_000)
+    rows(admin, f"UPDATE {table} SET created_at = NULL WHERE mod(id, 100) = 0")
+    eligible = eligible_ids(admin, table)
+    policy = make_policy(schema)
+    with caplog.at_level("WARNING", logger="airflow_retention"):
+        plan = plan_run(conn, policy, CUTOFF)
+    assert "20 row(s) of" in caplog.text and "NULL created_at: they are never deleted" in caplog.text
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    assert eligible_ids(admin, table) == []
+    assert scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at IS NULL") == 20
+    assert len(eligible) > 0

@@ -231,3 +231,18 @@ def test_the_sensor_fails_naming_a_chunk_whose_ledger_row_is_missing(
     rerun = resume(dag, dag_run, lambda ti: ti.task_id.endswith("verify"))
     assert rerun.state == "failed"
     assert f"missing: {lost} (no ledger row)" in capfd.readouterr().out
+
+
+def test_a_runs_conf_never_reaches_sql(target: Any) -> None:
+    hostile = {
+        "table": "airflow_t.orders; DROP TABLE airflow_t.audit; --",
+        "cutoff": "2999-01-01T00:00:00Z') OR (true",
+        "condition": "true) OR (true",
+        "dry_run": True,
+    }
+    dag_run = load_dag("retention_t_orders").test(logical_date=utc("2026-02-05"), run_conf=hostile)
+    assert dag_run.state == "success"
+    assert query(target, "SELECT count(*) FROM airflow_t.audit")[0][0] == 500  # not dropped
+    assert eligible(target, "2026-02-05") == 0  # the run's own cutoff, not the conf's
+    assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE created_at >= '2026-01-26'")[0][0] > 0
+    assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE status = 'open'")[0][0] > 0
