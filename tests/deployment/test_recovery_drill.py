@@ -129,3 +129,40 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
     )
     assert (ti["try_number"], ti["state"]) == (2, "success")
     assert ti["rendered_map_index"] == f"tenant {victim['tenants'][0]} · ids {victim['lo']}-{victim['hi'] - 1}"
+
+    # Redelivery: a completed chunk's task instance cleared in the UI (here through the same REST call)
+    # and run again: one completion, zero rows.
+    redelivered = next(c for c in final.values() if c["chunk_key"] != victim["chunk_key"])
+    rows_before = one(target, "SELECT count(*) FROM drill.events")
+    deployment.api(
+        "POST",
+        f"/dags/{dag_id}/clearTaskInstances",
+        json={
+            "dry_run": False,
+            "only_failed": False,
+            "dag_run_id": run["dag_run_id"],
+            "task_ids": [[f"{dag_id}.purge_chunk", redelivered["seq"]]],
+            "include_downstream": True,
+        },
+    )
+    path = f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances/{dag_id}.purge_chunk/{redelivered['seq']}"
+    again = deployment.wait_until(
+        lambda: (t := deployment.api("GET", path))["try_number"] == 2 and t["state"] == "success" and t,
+        180,
+        "the cleared chunk to run again",
+    )
+    assert again["try_number"] == 2
+    deployment.wait_for_runs(dag_id, lambda rs: rs[0]["state"] == "success", timeout=180)
+    replayed = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key)}[redelivered["chunk_key"]]
+    assert (replayed["completed_at"], replayed["completed_try_number"], replayed["attempts"]) == (
+        redelivered["completed_at"],
+        1,
+        1,
+    )
+    assert one(target, "SELECT count(*) FROM drill.events") == rows_before
+    xcom = deployment.api(
+        "GET",
+        f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances/{dag_id}.purge_chunk/xcomEntries/return_value",
+        params={"map_index": redelivered["seq"]},
+    )
+    assert '"already_complete": true' in str(xcom["value"]).replace("True", "true").replace("'", '"')
