@@ -261,6 +261,18 @@ class Ledger:
         )
         return [dict(zip(_RUN_FIELDS, row, strict=True)) for row in rows]
 
+    def complete_cutoffs(
+        self, conn: Any, policy: str, dry_run: bool, since: datetime, until: datetime
+    ) -> set[datetime]:
+        """Cutoffs of the policy's complete planned runs (of the same mode) in ``[since, until]``."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT cutoff FROM {self.s}.runs WHERE policy = %(p)s AND state = 'complete' AND dry_run = %(d)s"
+            " AND cutoff BETWEEN %(a)s::timestamptz AND %(b)s::timestamptz AND run_key NOT LIKE '%%#lone'",
+            {"p": policy, "d": dry_run, "a": since, "b": until},
+        )
+        return {row[0] for row in rows}
+
     # -- chunks, inside the engine's batch transaction --------------------------------------------
 
     def lock_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.policy import RetentionPolicy
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,61 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
         missing=missing,
         rows_deleted=sum(rows[k]["rows_deleted"] for k in complete),
     )
+
+
+_PRESETS = {
+    "@hourly": "0 * * * *",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@weekly": "0 0 * * 0",
+    "@monthly": "0 0 1 * *",
+    "@quarterly": "0 0 1 */3 *",
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+}
+
+
+def scheduled_anchors(schedule: str | None, start: datetime, end: datetime) -> list[datetime]:
+    """The instants a cron schedule fires in ``[start, end]`` (UTC): the dates its runs stand for, since a
+    cron-scheduled Airflow 3 run's logical date is its trigger time. Empty for schedules without a cron."""
+    expression = _PRESETS.get(schedule or "", schedule or "")
+    if not expression or expression.startswith("@"):
+        return []
+    from croniter import croniter
+
+    it = croniter(expression, start.astimezone(timezone.utc) - timedelta(microseconds=1))
+    anchors = []
+    while (moment := it.get_next(datetime)) <= end:
+        anchors.append(moment.astimezone(timezone.utc))
+    return anchors
+
+
+@dataclass(frozen=True)
+class MissedRun:
+    anchor: datetime
+    cutoff: datetime
+    run_key: str
+
+    def describe(self, dag_id: str) -> str:
+        day = self.anchor.strftime("%Y-%m-%dT%H:%M:%SZ")
+        return (
+            f"no complete run for {day} (cutoff {self.cutoff.strftime('%Y-%m-%dT%H:%M:%SZ')}): that run was"
+            f" missed; backfill it: airflow backfill create --dag-id {dag_id} --from-date {day} --to-date {day}"
+        )
+
+
+def missed_runs(conn: Any, ledger: Ledger, policy: RetentionPolicy, start: datetime, end: datetime) -> list[MissedRun]:
+    """The scheduled dates in ``[start, end]`` whose run is not complete in the ledger: the gaps that a
+    paused DAG or a scheduler outage leaves, until a backfill fills them."""
+    from airflow_retention.core.cutoff import freeze_cutoff, run_key
+
+    expected = {freeze_cutoff(policy, anchor): anchor for anchor in scheduled_anchors(policy.schedule, start, end)}
+    if not expected:
+        return []
+    done = ledger.complete_cutoffs(conn, policy.name, policy.dry_run, min(expected), max(expected))
+    missed = [
+        MissedRun(anchor=anchor, cutoff=cutoff, run_key=run_key(policy, cutoff))
+        for cutoff, anchor in sorted(expected.items())
+        if cutoff not in done
+    ]
+    return missed

@@ -25,15 +25,18 @@ if TYPE_CHECKING:
 RUN_XCOM_KEY = "run"
 
 
-def cutoff_from_context(policy: RetentionPolicy, context: Context) -> datetime:
-    """The run's frozen cutoff: its data interval end, else logical date, else run_after, minus retention."""
-    dag_run = context.get("dag_run")
-    anchor = run_anchor(
+def anchor_from_context(context: Context) -> datetime:
+    """The instant the run stands for: its data interval end, else logical date, else run_after."""
+    return run_anchor(
         data_interval_end=context.get("data_interval_end"),
         logical_date=context.get("logical_date"),
-        run_after=getattr(dag_run, "run_after", None),
+        run_after=getattr(context.get("dag_run"), "run_after", None),
     )
-    return freeze_cutoff(policy, anchor)
+
+
+def cutoff_from_context(policy: RetentionPolicy, context: Context) -> datetime:
+    """The run's frozen cutoff: its data interval end, else logical date, else run_after, minus retention."""
+    return freeze_cutoff(policy, anchor_from_context(context))
 
 
 def attempt_from_context(context: Context) -> Attempt:

@@ -11,13 +11,15 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
 
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
+from airflow_retention.core.verify import missed_runs
 from airflow_retention.hooks.retention import RetentionHook
-from airflow_retention.operators.retention import RUN_XCOM_KEY, attempt_from_context
+from airflow_retention.operators.retention import RUN_XCOM_KEY, anchor_from_context, attempt_from_context
 from airflow_retention.triggers.retention import RetentionCompleteTrigger
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
+MISSED_RUNS_WINDOW = timedelta(days=31)
 # Task states after which a chunk task will not write to the ledger again (unless a person clears it).
 _FINISHED = {"success", "failed", "skipped", "upstream_failed", "removed"}
 
@@ -124,6 +126,7 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 "would be deleted (dry run)" if self.policy.dry_run else "deleted",
                 duration,
             )
+            self._report_missed_runs(context)
             return True
         self.log.info("%s", verification.describe())
         if self.chunk_task_id and not self._chunks_in_flight(context):
@@ -132,6 +135,26 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 " Clear the failed chunk task(s) (with downstream) to retry them."
             )
         return False
+
+    def _report_missed_runs(self, context: Context) -> None:
+        """Say in words which scheduled runs of the last 31 days never completed: days missed while the
+        DAG was paused or the scheduler down, which only a backfill fills."""
+        try:
+            anchor = anchor_from_context(context)
+            start = max(self.policy.start_date, anchor - MISSED_RUNS_WINDOW)
+            with self.hook.open_connection() as conn:
+                missed = missed_runs(conn, self.hook.ledger, self.policy, start, anchor - timedelta(microseconds=1))
+        except Exception:
+            self.log.warning("could not check the ledger for missed runs", exc_info=True)
+            return
+        if missed:
+            self.log.warning(
+                "policy %s: %d scheduled run(s) since %s are not complete in the ledger:\n%s",
+                self.policy.name,
+                len(missed),
+                start.strftime("%Y-%m-%d"),
+                "\n".join(m.describe(context["ti"].dag_id) for m in missed),
+            )
 
     def _chunks_in_flight(self, context: Context) -> bool:
         ti = context["ti"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from airflow_retention.core.engine import run_chunk
@@ -68,3 +69,51 @@ def test_unknown_run(schema: str, conn: Any) -> None:
     assert not result.run_found
     assert result.missing == ["a", "b"]
     assert "never planned" in result.describe()
+
+
+def test_scheduled_anchors_follow_the_cron() -> None:
+    from airflow_retention.core.verify import scheduled_anchors
+
+    start = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    days = scheduled_anchors("@daily", start, datetime(2026, 3, 4, tzinfo=timezone.utc))
+    assert [d.day for d in days] == [1, 2, 3, 4]
+    assert scheduled_anchors("30 6 * * 1", start, datetime(2026, 3, 31, tzinfo=timezone.utc))[0] == datetime(
+        2026, 3, 2, 6, 30, tzinfo=timezone.utc
+    )
+    assert scheduled_anchors(None, start, start) == scheduled_anchors("@once", start, start) == []
+
+
+def test_missed_runs_are_the_days_without_a_complete_run_in_words(schema: str, conn: Any, admin: Any) -> None:
+    from datetime import timedelta
+
+    from airflow_retention.core.cutoff import freeze_cutoff
+    from airflow_retention.core.verify import missed_runs
+
+    table = create_events(admin, schema)
+    fill_events(admin, table, 500)
+    policy = make_policy(schema, retention="1 day", schedule="@daily")
+    anchor = datetime(2024, 6, 10, tzinfo=timezone.utc)
+    days = [anchor + timedelta(days=i) for i in range(5)]  # the 10th .. the 14th
+    for ran in (days[0], days[2], days[4]):
+        plan = plan_run(conn, policy, freeze_cutoff(policy, ran))
+        for chunk in plan.chunks:
+            run_chunk(conn, policy, plan.cutoff, chunk)
+        verify_and_complete(conn, policy, plan)
+    ledger = Ledger(policy.ledger_schema)
+    missed = missed_runs(conn, ledger, policy, days[0], days[4])
+    assert [m.anchor for m in missed] == [days[1], days[3]]
+    text = missed[0].describe("retention_events_purge")
+    assert text.startswith("no complete run for 2024-06-11T00:00:00Z (cutoff 2024-06-10T00:00:00Z)")
+    assert "airflow backfill create --dag-id retention_events_purge --from-date 2024-06-11" in text
+    # A backfill fills the gap.
+    plan = plan_run(conn, policy, freeze_cutoff(policy, days[1]))
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    verify_and_complete(conn, policy, plan)
+    assert [m.anchor for m in missed_runs(conn, ledger, policy, days[0], days[4])] == [days[3]]
+
+
+def verify_and_complete(conn: Any, policy: Any, plan: Any) -> None:
+    ledger = Ledger(policy.ledger_schema)
+    assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok
+    ledger.complete_run(conn, plan.run_key, "test")

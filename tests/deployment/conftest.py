@@ -39,6 +39,15 @@ DRILL_POLICY = {
     "lock_timeout": "60s",
     "schedule": None,
 }
+# The missed-schedule drill (test_missed_schedule.py): daily, catchup off, five days of history.
+MISSED_POLICY = {
+    "name": "missed_days",
+    "table": "drill.missed",
+    "key_column": "id",
+    "timestamp_column": "created_at",
+    "retention": "1 day",
+    "batch_size": 500,
+}
 EXAMPLES = ("webhook_deliveries", "tenant_events", "audit_log")
 
 
@@ -56,6 +65,7 @@ def policies_yaml(path: Path) -> Path:
         policy["start_date"] = day(-2 if policy["name"] == "webhook_deliveries" else -12).isoformat()
         policy["catchup"] = policy["name"] == "webhook_deliveries"
     doc["policies"].append(DRILL_POLICY)
+    doc["policies"].append({**MISSED_POLICY, "start_date": day(-5).isoformat(), "catchup": False})
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
 

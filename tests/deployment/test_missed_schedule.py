@@ -1,0 +1,57 @@
+"""Drill: the schedule missed days (the DAG was paused, catchup is off). The ledger shows the gap until a
+backfill fills it, and the verify task says so in words."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.verify import missed_runs
+from airflow_retention.demo.deployment import Deployment
+from tests.deployment.conftest import day
+from tests.deployment.test_scheduler import backfill
+
+pytestmark = pytest.mark.scheduler
+
+TABLE_SQL = """
+DROP TABLE IF EXISTS drill.missed;
+CREATE SCHEMA IF NOT EXISTS drill;
+CREATE TABLE drill.missed (id bigint PRIMARY KEY, created_at timestamptz NOT NULL);
+INSERT INTO drill.missed SELECT g, %(now)s::timestamptz - make_interval(mins => g) FROM generate_series(1, 14400) g;
+CREATE INDEX ON drill.missed (created_at);
+"""
+
+
+def test_missed_days_show_as_a_gap_until_a_backfill_fills_them(
+    deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
+) -> None:
+    policy = policy_map["missed_days"]
+    dag_id = "retention_missed_days"
+    with target.cursor() as cur:
+        cur.execute(TABLE_SQL, {"now": day(0)})
+    deployment.wait_for_dag(dag_id)
+    # Unpaused today after five days paused; catchup is off, so the scheduler runs only today's run.
+    deployment.unpause(dag_id)
+    (run,) = deployment.wait_for_runs(dag_id, lambda rs: len(rs) == 1 and rs[0]["state"] == "success", 180)
+    assert run["logical_date"][:10] == day(0).date().isoformat()
+
+    ledger = Ledger(policy.ledger_schema)
+    missed = missed_runs(target, ledger, policy, day(-5), day(0))
+    assert [m.anchor for m in missed] == [day(-5), day(-4), day(-3), day(-2), day(-1)]
+    # The verify task of today's run said so in its log, in words.
+    log = deployment.api(
+        "GET",
+        f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances/{dag_id}.verify/logs/1",
+        params={"full_content": True},
+    )
+    text = json.dumps(log)
+    assert "5 scheduled run(s) since" in text
+    assert f"no complete run for {day(-1).strftime('%Y-%m-%dT%H:%M:%SZ')}" in text
+    assert f"airflow backfill create --dag-id {dag_id}" in text
+
+    backfill(deployment, dag_id, day(-2), day(-1), "none")
+    assert [m.anchor for m in missed_runs(target, ledger, policy, day(-5), day(0))] == [day(-5), day(-4), day(-3)]
