@@ -53,6 +53,35 @@ def admin_execute(server_dsn: str, *statements: str) -> None:
         conn.close()
 
 
+def restart_server(dsn: str) -> None:
+    """Restart the PostgreSQL server behind ``dsn``, for the database-fault drills: the throwaway server
+    started here, or a Debian cluster of this machine (``pg_ctlcluster``). Anything else raises."""
+    import shutil
+    import subprocess
+
+    from psycopg2.extensions import parse_dsn
+
+    if _embedded is not None and dsn == _embedded.get_uri():
+        from pgserver import _commands
+
+        _commands.pg_ctl(["-w", "restart"], pgdata=_embedded.pgdata, user=_embedded.system_user, timeout=60)
+        return
+    port = str(parse_dsn(dsn).get("port", "5432"))
+    if shutil.which("pg_lsclusters"):
+        for line in subprocess.run(
+            ["pg_lsclusters", "-h"], capture_output=True, text=True, check=True
+        ).stdout.splitlines():
+            version, cluster, cluster_port, *_ = line.split()
+            if cluster_port == port:
+                subprocess.run(
+                    ["pg_ctlcluster", "--skip-systemctl-redirect", version, cluster, "restart"],
+                    check=True,
+                    timeout=120,
+                )
+                return
+    raise RuntimeError(f"cannot restart the PostgreSQL server of {dsn!r} from this process")
+
+
 def start_embedded() -> str:
     global _embedded
     if _embedded is None:

@@ -275,3 +275,44 @@ def test_rows_with_a_null_timestamp_are_never_deleted_and_reported(
     assert eligible_ids(admin, table) == []
     assert scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at IS NULL") == 20
     assert len(eligible) > 0
+
+
+def test_server_restarted_between_batches_then_the_retry_completes(driver: str) -> None:
+    from airflow_retention.demo.postgres import admin_execute, restart_server
+
+    schema = f"t_{uuid.uuid4().hex[:10]}"
+    admin_execute(DSN, f'CREATE SCHEMA "{schema}"')
+    try:
+        admin = connect("psycopg2")
+        admin.autocommit = True
+        table = create_events(admin, schema)
+        fill_events(admin, table, 3_000)
+        eligible = eligible_ids(admin, table)
+        admin.close()
+        policy = make_policy(schema, batch_size=400)
+        conn = connect(driver)
+        (chunk,) = (plan := plan_run(conn, policy, CUTOFF)).chunks
+        batches: list[int] = []
+
+        def restart_after_two(report: Any) -> None:
+            batches.append(report.deleted)
+            if len(batches) == 2:
+                restart_server(DSN)
+
+        with pytest.raises(RetryableError):
+            run_chunk(conn, policy, plan.cutoff, chunk, on_batch=restart_after_two)
+        conn.close()
+        admin = connect("psycopg2")
+        admin.autocommit = True
+        (row,) = [c for c in Ledger(policy.ledger_schema).chunk_rows(admin, plan.run_key)]
+        assert (row["state"], row["rows_deleted"], row["batches"]) == ("running", 800, 2)
+        assert len(eligible) - len(eligible_ids(admin, table)) == 800
+        assert purge_with_retries(driver, policy, plan, chunk) == len(eligible) - 800
+        (row,) = [c for c in Ledger(policy.ledger_schema).chunk_rows(admin, plan.run_key)]
+        assert (row["state"], row["rows_deleted"], row["attempts"]) == ("complete", len(eligible), 2)
+        assert eligible_ids(admin, table) == []
+        admin.close()
+    finally:
+        admin_execute(
+            DSN, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', f'DROP SCHEMA IF EXISTS "{schema}_ledger" CASCADE'
+        )
