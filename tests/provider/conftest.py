@@ -43,6 +43,12 @@ policies:
     lock_timeout: 1s
     max_active_chunks: 4
     pool: retention_pool
+  - name: t_missing
+    table: airflow_t.no_such_table
+    key_column: id
+    timestamp_column: created_at
+    retention: 10 days
+    retries: 3
 """
 
 # 30,000 orders over 60 days from 2026-01-01; tenant 1 holds 3/4 of them; every 13th is still open.

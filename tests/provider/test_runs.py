@@ -4,6 +4,7 @@ the ledger afterwards."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ LEDGER = Ledger("airflow_t_ledger")
 
 
 def orders_policy() -> Any:
-    (policy,) = load_policies(TEST_POLICIES)
+    policy = next(p for p in load_policies(TEST_POLICIES) if p.name == "t_orders")
     return policy
 
 
@@ -246,3 +247,14 @@ def test_a_runs_conf_never_reaches_sql(target: Any) -> None:
     assert eligible(target, "2026-02-05") == 0  # the run's own cutoff, not the conf's
     assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE created_at >= '2026-01-26'")[0][0] > 0
     assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE status = 'open'")[0][0] > 0
+
+
+def test_a_problem_no_retry_can_fix_fails_at_once_and_deletes_nothing(target: Any) -> None:
+    rows_before = query(target, "SELECT count(*) FROM airflow_t.orders")[0][0]
+    started = time.monotonic()
+    dag_run = load_dag("retention_t_missing").test(logical_date=utc("2026-02-05"))
+    assert dag_run.state == "failed"
+    plan = next(ti for ti in task_instances(dag_run) if ti.task_id.endswith(".plan"))
+    assert (plan.state, plan.try_number, plan.max_tries) == ("failed", 1, 3)  # three retries allowed, none used
+    assert time.monotonic() - started < 30  # no retry delay was waited
+    assert query(target, "SELECT count(*) FROM airflow_t.orders")[0][0] == rows_before

@@ -28,7 +28,7 @@ def test_trigger_times_out_naming_missing_chunks_then_fires_when_complete(target
     from airflow_retention.core.planner import plan_run
     from airflow_retention.triggers.retention import RetentionCompleteTrigger
 
-    (policy,) = load_policies(TEST_POLICIES)
+    policy = next(p for p in load_policies(TEST_POLICIES) if p.name == "t_orders")
     cutoff = freeze_cutoff(policy, utc("2026-02-05"))
     plan = plan_run(target, policy, cutoff)
     keys = [c.key for c in plan.chunks]
