@@ -66,7 +66,10 @@ def restart_server(dsn: str) -> None:
 
         _commands.pg_ctl(["-w", "restart"], pgdata=_embedded.pgdata, user=_embedded.system_user, timeout=60)
         return
-    port = str(parse_dsn(dsn).get("port", "5432"))
+    parts = parse_dsn(dsn)
+    host, port = parts.get("host", "localhost"), str(parts.get("port", "5432"))
+    if not (host.startswith("/") or host in ("localhost", "127.0.0.1", "::1")):
+        raise RuntimeError(f"refusing to restart PostgreSQL at {host}: only a server on this machine")
     if shutil.which("pg_lsclusters"):
         for line in subprocess.run(
             ["pg_lsclusters", "-h"], capture_output=True, text=True, check=True
