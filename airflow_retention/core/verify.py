@@ -84,10 +84,13 @@ def scheduled_anchors(schedule: str | None, start: datetime, end: datetime) -> l
         return []
     from croniter import croniter
 
-    it = croniter(expression, start.astimezone(timezone.utc) - timedelta(microseconds=1))
+    # croniter is given and returns naive UTC: aware inputs (pendulum's included) vary by version.
+    begin = datetime.fromtimestamp(start.timestamp(), tz=timezone.utc).replace(tzinfo=None)
+    stop = datetime.fromtimestamp(end.timestamp(), tz=timezone.utc).replace(tzinfo=None)
+    it = croniter(expression, begin - timedelta(microseconds=1))
     anchors = []
-    while (moment := it.get_next(datetime)) <= end:
-        anchors.append(moment.astimezone(timezone.utc))
+    while (moment := it.get_next(datetime).replace(tzinfo=None)) <= stop:
+        anchors.append(moment.replace(tzinfo=timezone.utc))
     return anchors
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 MISSED_RUNS_WINDOW = timedelta(days=31)
+MISSED_RUNS_SHOWN = 5
 # Task states after which a chunk task will not write to the ledger again (unless a person clears it).
 _FINISHED = {"success", "failed", "skipped", "upstream_failed", "removed"}
 
@@ -148,12 +149,14 @@ class RetentionCompleteSensor(BaseSensorOperator):
             self.log.warning("could not check the ledger for missed runs", exc_info=True)
             return
         if missed:
+            shown = missed[-MISSED_RUNS_SHOWN:]
             self.log.warning(
-                "policy %s: %d scheduled run(s) since %s are not complete in the ledger:\n%s",
+                "policy %s: %d scheduled run(s) since %s are not complete in the ledger%s:\n%s",
                 self.policy.name,
                 len(missed),
                 start.strftime("%Y-%m-%d"),
-                "\n".join(m.describe(context["ti"].dag_id) for m in missed),
+                f" (the {len(shown)} latest)" if len(shown) < len(missed) else "",
+                "\n".join(m.describe(context["ti"].dag_id) for m in shown),
             )
 
     def _chunks_in_flight(self, context: Context) -> bool:

@@ -117,3 +117,14 @@ def verify_and_complete(conn: Any, policy: Any, plan: Any) -> None:
     ledger = Ledger(policy.ledger_schema)
     assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok
     ledger.complete_run(conn, plan.run_key, "test")
+
+
+def test_scheduled_anchors_accept_pendulum_and_other_zones() -> None:
+    import pendulum
+
+    from airflow_retention.core.verify import scheduled_anchors
+
+    start = pendulum.datetime(2026, 3, 1, 1, tz="Europe/Paris")  # 2026-03-01T00:00Z
+    end = pendulum.datetime(2026, 3, 3, tz="UTC")
+    days = scheduled_anchors("@daily", start, end)
+    assert days == [datetime(2026, 3, d, tzinfo=timezone.utc) for d in (1, 2, 3)]
