@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from airflow_retention.demo.airflow_home import prepare_airflow_home
 
     prepare_airflow_home(home, args.dags, dsn)  # before anything imports Airflow
+    policies_file = demo_policies(args.dags / "retention_policies.yaml", home / "retention_policies.yaml")
 
     import psycopg2
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from airflow_retention.core.policy import load_policies
     from airflow_retention.demo.seed import seed_examples, snapshot, utc_day
 
-    policies = load_policies(args.dags / "retention_policies.yaml")
+    policies = load_policies(policies_file)
     conn = psycopg2.connect(dsn)
     days = NIGHTLY + MISSED
     # Airflow 3's @daily runs (and backfills) of day D have logical date = data interval end = D midnight,
@@ -119,6 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     say("all checks passed")
     return 0
+
+
+def demo_policies(example: Path, copy: Path) -> Path:
+    """The example policies starting on the demo's first night, read by the DAG file through
+    ``AIRFLOW_RETENTION_POLICIES``: the verify tasks then report exactly the two nights the demo skips."""
+    import os
+
+    import yaml
+
+    doc = yaml.safe_load(example.read_text())
+    doc.setdefault("defaults", {})["start_date"] = NIGHTLY[0]
+    copy.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.environ["AIRFLOW_RETENTION_POLICIES"] = str(copy)
+    return copy
 
 
 def checks(
