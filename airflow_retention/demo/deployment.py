@@ -27,7 +27,6 @@ from airflow_retention.demo.airflow_home import airflow_environment
 from airflow_retention.demo.postgres import admin_execute
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
-TERMINAL_RUN_STATES = {"success", "failed"}
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from airflow_retention.core import dbapi
@@ -143,6 +143,3 @@ def snapshot(conn: Any, policy: RetentionPolicy, cutoff: datetime) -> Snapshot:
 def utc_day(value: str) -> datetime:
     """Midnight UTC of an ISO date."""
     return datetime.fromisoformat(value).replace(tzinfo=timezone.utc)
-
-
-ONE_DAY = timedelta(days=1)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -13,6 +11,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowFailException
 
 from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
+from airflow_retention.core.engine import default_host
 from airflow_retention.core.errors import PermanentError, PolicyError
 from airflow_retention.core.ledger import Attempt, ChunkSpec
 from airflow_retention.core.planner import chunk_key as make_chunk_key
@@ -47,7 +46,7 @@ def attempt_from_context(context: Context) -> Attempt:
         run_id=ti.run_id,
         map_index=map_index if map_index is not None and map_index >= 0 else None,
         try_number=getattr(ti, "try_number", None),
-        host=f"{socket.gethostname()}:{os.getpid()}",
+        host=default_host(),
     )
 
 

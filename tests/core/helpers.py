@@ -7,6 +7,7 @@ the data (tenant, timestamp, status) are SQL over the series value ``g`` and the
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
@@ -24,6 +25,14 @@ ELIGIBLE = "created_at < %(cutoff)s::timestamptz AND status <> 'open'"
 # the rest after; every 7th row 'open' (held back by the condition).
 CREATED_DEFAULT = "%(cutoff)s::timestamptz + (mod(g * 37, 100) - 60) * interval '1 hour'"
 STATUS_DEFAULT = "CASE WHEN mod(g, 7) = 0 THEN 'open' ELSE 'closed' END"
+
+
+def start_and_join(threads: list[threading.Thread], timeout: float = 120) -> None:
+    """Start every thread, then wait for each."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
 
 
 def rows(admin: Any, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:

@@ -36,6 +36,7 @@ from .helpers import (
     make_policy,
     rows,
     scalar,
+    start_and_join,
     wait_for,
 )
 
@@ -329,10 +330,7 @@ def test_zombie_and_retry_at_once_serialise_on_the_ledger(schema: str, conn: Any
             c.close()
 
     threads = [threading.Thread(target=attempt, args=(n,)) for n in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    start_and_join(threads, 120)
     assert errors == []
     gone = total - scalar(admin, f"SELECT count(*) FROM {table}")
     assert gone == len(eligible)

@@ -12,7 +12,7 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import SCHEMA_VERSION, ChunkSpec, Ledger, RunRecord
 from tests.conftest import connect
 
-from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar
+from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar, start_and_join
 
 
 def _tables(admin: Any, schema: str) -> list[str]:
@@ -60,10 +60,7 @@ def test_concurrent_ensure_on_a_fresh_schema(schema: str, conn: Any, admin: Any,
             c.close()
 
     threads = [threading.Thread(target=work) for _ in range(callers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    start_and_join(threads, 60)
     assert errors == []
     assert results == [SCHEMA_VERSION] * callers
     assert Ledger(ledger_schema).version(conn) == SCHEMA_VERSION

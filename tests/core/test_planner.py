@@ -28,6 +28,7 @@ from .helpers import (
     make_policy,
     rows,
     scalar,
+    start_and_join,
 )
 
 OLD = "%(cutoff)s::timestamptz - interval '1 day' - g * interval '1 second'"
@@ -276,10 +277,7 @@ def test_concurrent_planners_of_one_run_agree(schema: str, conn: Any, admin: Any
             c.close()
 
     threads = [threading.Thread(target=work) for _ in range(callers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    start_and_join(threads, 60)
     assert errors == []
     assert len(plans) == callers
     assert sum(not p.reused for p in plans) == 1

@@ -19,7 +19,16 @@ from airflow_retention.core.ledger import ChunkSpec, Ledger
 from airflow_retention.core.planner import Plan, plan_run
 from airflow_retention.core.policy import RetentionPolicy
 from tests.conftest import DSN, connect
-from tests.core.helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows, scalar
+from tests.core.helpers import (
+    CUTOFF,
+    create_events,
+    eligible_ids,
+    fill_events,
+    make_policy,
+    rows,
+    scalar,
+    start_and_join,
+)
 
 
 def purge_with_retries(
@@ -175,10 +184,7 @@ def test_two_runs_of_one_policy_racing_delete_each_row_once(schema: str, conn: A
                 deleted.append(n)
 
     threads = [threading.Thread(target=worker, args=(work[i::4],)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    start_and_join(threads, 120)
     assert eligible_ids(admin, table, later) == []
     assert scalar(admin, f"SELECT count(*) FROM {table}") == total - len(expected)
     ledger = Ledger(policy.ledger_schema)
