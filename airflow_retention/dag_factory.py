@@ -10,21 +10,27 @@ from typing import Any
 from airflow.sdk import DAG, TaskGroup
 
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy import RetentionPolicy, load_policies_lenient
-from airflow_retention.operators.retention import RetentionChunkOperator, RetentionPlanOperator
+from airflow_retention.core.policy import DAG_ID_PREFIX, RetentionPolicy, load_policies_lenient
+from airflow_retention.operators.retention import (
+    RetentionChunkOperator,
+    RetentionPlanOperator,
+    RetentionVacuumOperator,
+)
 from airflow_retention.sensors.retention import RetentionCompleteSensor
-
-DAG_ID_PREFIX = "retention_"
 
 
 def task_defaults(policy: RetentionPolicy) -> dict[str, Any]:
-    """Retries with exponential backoff: a retry is a redelivery, and the ledger makes it harmless."""
-    return {
+    """Retries with exponential backoff (a retry is a redelivery, and the ledger makes it harmless), and
+    the policy's queue for every task."""
+    defaults: dict[str, Any] = {
         "retries": policy.retries,
         "retry_delay": timedelta(milliseconds=policy.retry_delay_ms),
         "retry_exponential_backoff": 2.0,
         "max_retry_delay": timedelta(minutes=10),
     }
+    if policy.queue:
+        defaults["queue"] = policy.queue
+    return defaults
 
 
 def retention_task_group(
@@ -36,7 +42,8 @@ def retention_task_group(
     sensor_kwargs: Mapping[str, Any] | None = None,
     chunk_kwargs: Mapping[str, Any] | None = None,
 ) -> TaskGroup:
-    """plan → purge chunks (mapped) → verify, as a TaskGroup to drop into any DAG.
+    """plan → purge chunks (mapped) → verify (→ vacuum, with ``vacuum_after_rows``), as a TaskGroup to
+    drop into any DAG.
 
     Call it inside a ``with DAG(...)`` block. Chunk tasks run in the policy's pool with at most
     ``max_active_chunks`` at once per run; the verify task runs whatever the chunks' outcome.
@@ -71,6 +78,8 @@ def retention_task_group(
             **{**defaults, **(sensor_kwargs or {})},
         )
         plan >> chunks >> verify
+        if policy.vacuum_after_rows is not None:
+            verify >> RetentionVacuumOperator(task_id="vacuum", policy=policy, plan_task_id=plan.task_id, **defaults)
     return group
 
 

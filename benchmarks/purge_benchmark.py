@@ -1,46 +1,55 @@
-"""Purge benchmark: one unbounded DELETE against the common LIMIT loop and the planner + chunk engine.
+"""Purge benchmark: one unbounded DELETE against the common LIMIT loop, the planner + chunk engine, and the
+whole DAG through ``dag.test()`` and under the real scheduler, measured side by side in one run.
 
-    python benchmarks/purge_benchmark.py [--rows 2000000 | --large] [--workers 1 4] [--dsn DSN] [--json out.json]
+    python benchmarks/purge_benchmark.py [--rows N | --large] [--workers 1 2] [--methods a b c d e]
+                                         [--memory-sizes 2000000 10000000] [--dsn DSN] [--json out.json]
 
 Builds a table of N rows (realistic width, primary key, an index on the timestamp and on (tenant, id),
-about 60 % eligible) once, copies it before each method so every method starts from the same table, and
-for each method measures: wall seconds, rows/s, the longest transaction (ms), WAL bytes written
-(``pg_current_wal_lsn()`` before and after), and the p50/p99 latency of a concurrent foreground load of
-single-row reads and writes on live rows (and the same load on the idle database first). Prints a table of
-ratios to method (a), the unbounded DELETE, measured in the same run. Methods (d) and (e), the whole DAG
-through ``dag.test()`` and under the scheduler, are not in this script yet.
+about 56 % eligible) once, copies it before each method so every method starts from the same table, and
+for each method measures: wall seconds, rows/s, the longest writing transaction (sampled every 5 ms from
+``pg_stat_activity``: transactions with an xid, whoever runs them), WAL bytes (``pg_current_wal_lsn()``
+before and after), and the p50/p99 latency of a concurrent foreground load of single-row reads and writes
+on live rows (and of the same load on the idle database first). Prints ratios to method (a), the
+unbounded DELETE, and writes JSON. ``--memory-sizes`` also measures the planner's peak Python memory
+(tracemalloc) on tables of those sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 from psycopg2.extensions import make_dsn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.demo.postgres import admin_execute, resolve_dsn
+from airflow_retention.core.engine import run_chunk  # noqa: E402
+from airflow_retention.core.planner import compute_plan, plan_run  # noqa: E402
+from airflow_retention.core.policy import RetentionPolicy, policy_to_dict  # noqa: E402
+from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 
 DB = "retention_bench"
 CUTOFF = datetime(2026, 1, 1, tzinfo=timezone.utc)
-BATCH = 5000
+RUN_DATE = CUTOFF + timedelta(days=1)  # the DAG run whose cutoff is CUTOFF (retention 1 day)
+LIMIT_LOOP_BATCH = 5000
 TEMPLATE_SQL = """
-DROP SCHEMA IF EXISTS bench CASCADE;
-CREATE SCHEMA bench;
+DROP TABLE IF EXISTS bench.template;
+CREATE SCHEMA IF NOT EXISTS bench;
 CREATE TABLE bench.template AS
 SELECT g::bigint AS id,
        (g %% 50)::integer AS tenant_id,
@@ -59,6 +68,34 @@ COPY_SQL = (
     "CHECKPOINT",
 )
 ELIGIBLE = "created_at < %(cutoff)s AND status <> 'open'"
+BENCH_DAG = """
+import json, os
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.dag_factory import build_dag
+
+dag = build_dag(RetentionPolicy.from_dict(json.loads(os.environ["BENCH_POLICY"])), sensor_kwargs={"poke_interval": 1})
+"""
+
+
+def bench_policy(*, chunk_by: str = "block", tenants: bool = False, max_active_chunks: int = 1) -> RetentionPolicy:
+    """The policy every engine method runs: the project's defaults (batch size, adaptive batches,
+    chunk_rows), a condition; block ranges (the default here, for an append-mostly events table), key
+    ranges, or per-tenant key ranges."""
+    return RetentionPolicy(
+        chunk_by="key" if tenants else chunk_by,
+        name="bench",
+        conn_id="retention_target",
+        table="bench.events",
+        key_column="id",
+        timestamp_column="created_at",
+        tenant_column="tenant_id" if tenants else None,
+        retention="1 day",
+        condition="status <> 'open'",
+        ledger_schema="bench_ledger",
+        schedule=None,
+        max_active_chunks=max_active_chunks,
+        retries=0,
+    )
 
 
 @dataclass
@@ -86,7 +123,7 @@ class Foreground:
         self.thread = threading.Thread(target=self.loop, daemon=True)
 
     def loop(self) -> None:
-        conn = psycopg2.connect(self.dsn)
+        conn = psycopg2.connect(self.dsn, application_name="bench-fg")
         conn.autocommit = True
         cur = conn.cursor()
         i = 0
@@ -117,6 +154,42 @@ class Foreground:
         return q[49], q[98]
 
 
+class TxnMonitor:
+    """The longest writing transaction in the bench database, whoever runs it (a worker of ours, an
+    Airflow task process, a psql session), sampled from ``pg_stat_activity``."""
+
+    SQL = (
+        "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)) * 1000, 0)"
+        " FROM pg_stat_activity WHERE datname = current_database() AND backend_xid IS NOT NULL"
+        " AND pid <> pg_backend_pid() AND application_name <> 'bench-fg'"
+    )
+
+    def __init__(self, dsn: str, interval: float = 0.005) -> None:
+        self.dsn = dsn
+        self.interval = interval
+        self.longest = 0.0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+
+    def loop(self) -> None:
+        conn = psycopg2.connect(self.dsn, application_name="bench-monitor")
+        conn.autocommit = True
+        cur = conn.cursor()
+        while not self.stop.is_set():
+            cur.execute(self.SQL)
+            self.longest = max(self.longest, float(cur.fetchone()[0]))
+            time.sleep(self.interval)
+        conn.close()
+
+    def __enter__(self) -> TxnMonitor:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def one(conn: Any, sql: str, params: Any = None) -> Any:
     with conn.cursor() as cur:
         cur.execute(sql, params)
@@ -127,80 +200,68 @@ def wal_lsn(conn: Any) -> str:
     return one(conn, "SELECT pg_current_wal_lsn()::text")
 
 
-def measure(
-    dsn: str, name: str, purge: Callable[[], tuple[int, float, dict[str, Any]]], *, purges: bool = True
-) -> Result:
-    """Copy the template, start the foreground load, run ``purge`` (returns rows, longest txn ms, notes)."""
-    admin = psycopg2.connect(dsn)
+Purge = Callable[[], tuple[int, dict[str, Any]]]
+
+
+def measure(dsn: str, name: str, purge: Purge, *, purges: bool = True) -> Result:
+    """Copy the template, start the foreground load and the transaction monitor, run ``purge`` (returns
+    rows deleted and notes; a ``seconds`` note overrides the wall clock, e.g. the DAG run's own duration)."""
+    admin = psycopg2.connect(dsn, application_name="bench-admin")
     admin.autocommit = True
     with admin.cursor() as cur:
         for statement in COPY_SQL:
             cur.execute(statement)
         cur.execute("SELECT id FROM bench.events WHERE created_at >= %s ORDER BY id LIMIT 5000", (CUTOFF,))
         live = [r[0] for r in cur.fetchall()]
+    admin_execute(dsn, "DROP SCHEMA IF EXISTS bench_ledger CASCADE")
     before = wal_lsn(admin)
-    with Foreground(dsn, live) as fg:
+    with Foreground(dsn, live) as fg, TxnMonitor(dsn) as monitor:
         time.sleep(0.5)
         fg.latencies.clear()
         started = time.perf_counter()
-        rows, longest, notes = purge()
-        seconds = time.perf_counter() - started
+        rows, notes = purge()
+        seconds = notes.pop("seconds", None) or time.perf_counter() - started
     wal = int(one(admin, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)", (before,)))
     left = one(admin, f"SELECT count(*) FROM bench.events WHERE {ELIGIBLE}", {"cutoff": CUTOFF})
     admin.close()
     if purges and left:
         raise AssertionError(f"{name}: {left} eligible rows left")
     p50, p99 = fg.percentiles()
-    return Result(name, seconds, rows, rows / seconds, longest, wal, p50, p99, len(fg.latencies), notes)
+    return Result(name, seconds, rows, rows / seconds, monitor.longest, wal, p50, p99, len(fg.latencies), notes)
 
 
-def unbounded(dsn: str) -> tuple[int, float, dict[str, Any]]:
+def unbounded(dsn: str) -> tuple[int, dict[str, Any]]:
     conn = psycopg2.connect(dsn)
-    started = time.perf_counter()
     with conn.cursor() as cur:
         cur.execute(f"DELETE FROM bench.events WHERE {ELIGIBLE}", {"cutoff": CUTOFF})
         rows = cur.rowcount
     conn.commit()
     conn.close()
-    return rows, (time.perf_counter() - started) * 1000, {}
+    return rows, {}
 
 
-def limit_loop(dsn: str) -> tuple[int, float, dict[str, Any]]:
+def limit_loop(dsn: str) -> tuple[int, dict[str, Any]]:
     conn = psycopg2.connect(dsn)
-    rows, longest, loops = 0, 0.0, 0
+    rows, loops = 0, 0
     while True:
-        started = time.perf_counter()
         with conn.cursor() as cur:
             cur.execute(
                 f"DELETE FROM bench.events WHERE id IN (SELECT id FROM bench.events WHERE {ELIGIBLE} LIMIT %(n)s)",
-                {"cutoff": CUTOFF, "n": BATCH},
+                {"cutoff": CUTOFF, "n": LIMIT_LOOP_BATCH},
             )
             n = cur.rowcount
         conn.commit()
-        longest = max(longest, (time.perf_counter() - started) * 1000)
         rows += n
         loops += 1
         if n == 0:
             break
     conn.close()
-    return rows, longest, {"transactions": loops}
+    return rows, {"transactions": loops}
 
 
-def engine(dsn: str, workers: int, tenants: bool = True) -> tuple[int, float, dict[str, Any]]:
-    policy = RetentionPolicy(
-        name="bench",
-        conn_id="bench",
-        table="bench.events",
-        key_column="id",
-        timestamp_column="created_at",
-        tenant_column="tenant_id" if tenants else None,
-        retention="1 day",
-        condition="status <> 'open'",
-        batch_size=BATCH,
-        chunk_rows=100_000,
-        ledger_schema="bench_ledger",
-    )
-    admin_execute(dsn, "DROP SCHEMA IF EXISTS bench_ledger CASCADE")
+def engine(dsn: str, workers: int, chunk_by: str = "block", tenants: bool = False) -> tuple[int, dict[str, Any]]:
+    """The planner, then the chunks shared by ``workers`` threads, each with its own connection."""
+    policy = bench_policy(chunk_by=chunk_by, tenants=tenants)
     conn = psycopg2.connect(dsn)
     started = time.perf_counter()
     plan = plan_run(conn, policy, CUTOFF)
@@ -208,7 +269,7 @@ def engine(dsn: str, workers: int, tenants: bool = True) -> tuple[int, float, di
     conn.close()
     queue = list(plan.chunks)
     lock = threading.Lock()
-    totals = {"rows": 0, "longest": 0.0, "batches": 0}
+    totals: dict[str, Any] = {"rows": 0, "batches": 0, "longest_batch_ms": 0.0, "sizes": []}
 
     def work() -> None:
         c = psycopg2.connect(dsn)
@@ -221,7 +282,8 @@ def engine(dsn: str, workers: int, tenants: bool = True) -> tuple[int, float, di
             with lock:
                 totals["rows"] += result.rows_deleted
                 totals["batches"] += result.batches
-                totals["longest"] = max(totals["longest"], *(b.ms for b in result.batch_log))
+                totals["longest_batch_ms"] = max(totals["longest_batch_ms"], *(b.ms for b in result.batch_log))
+                totals["sizes"].append(result.last_batch_size)
         c.close()
 
     threads = [threading.Thread(target=work) for _ in range(workers)]
@@ -229,26 +291,165 @@ def engine(dsn: str, workers: int, tenants: bool = True) -> tuple[int, float, di
         t.start()
     for t in threads:
         t.join()
-    return (
-        int(totals["rows"]),
-        float(totals["longest"]),
-        {"chunks": len(plan.chunks), "batches": totals["batches"], "planning_s": round(planning, 2)},
+    return int(totals["rows"]), {
+        "chunks": len(plan.chunks),
+        "batches": totals["batches"],
+        "planning_s": round(planning, 2),
+        "longest_batch_ms": round(totals["longest_batch_ms"], 1),
+        "settled_batch_sizes": sorted(set(totals["sizes"])),
+    }
+
+
+def ledger_totals(dsn: str) -> dict[str, Any]:
+    """What the ledger says about the (single) bench run: rows, chunks, planning time."""
+    conn = psycopg2.connect(dsn)
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT r.rows_deleted, r.chunks_expected, r.state,"
+            " extract(epoch FROM min(c.first_started_at) - r.planned_at),"
+            " max(c.last_batch_size), count(*) FILTER (WHERE c.state = 'complete')"
+            " FROM bench_ledger.runs r LEFT JOIN bench_ledger.chunks c USING (run_key)"
+            " GROUP BY r.run_key, r.rows_deleted, r.chunks_expected, r.state, r.planned_at"
+        )
+        rows, chunks, state, _, max_size, complete = cur.fetchone()
+    conn.close()
+    if state != "complete" or complete != chunks:
+        raise AssertionError(f"bench run not complete in the ledger: state {state}, {complete}/{chunks} chunks")
+    return {"rows": int(rows or 0), "chunks": chunks, "max_batch_size": max_size}
+
+
+def dag_test(dsn: str) -> tuple[int, dict[str, Any]]:
+    """The whole DAG (plan → mapped chunks → verify) through ``dag.test()`` in a child process with a
+    throwaway Airflow home; the child times ``dag.test()`` alone (not Airflow's import and migration)."""
+    home = Path(tempfile.mkdtemp(prefix="retention-bench-"))
+    dags = home / "dags"
+    dags.mkdir()
+    (dags / "bench_dag.py").write_text(BENCH_DAG)
+    env = {**os.environ, "BENCH_POLICY": json.dumps(policy_to_dict(bench_policy()))}
+    out = subprocess.run(
+        [sys.executable, __file__, "--dag-test-child", str(home), dsn],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
     )
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    totals = ledger_totals(dsn)
+    return totals["rows"], {"seconds": child["seconds"], "state": child["state"], **totals}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=2_000_000)
-    parser.add_argument("--large", action="store_true", help="10,000,000 rows")
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_bench' is recreated on it)")
-    parser.add_argument("--json", type=Path, default=Path("benchmarks/results.json"))
-    args = parser.parse_args(argv)
-    rows = 10_000_000 if args.large else args.rows
+def dag_test_child(home: Path, dsn: str) -> None:
+    from airflow_retention.demo.airflow_home import prepare_airflow_home
 
-    server = resolve_dsn(args.dsn)
-    admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
-    dsn = make_dsn(server, dbname=DB)
+    prepare_airflow_home(home, home / "dags", dsn)
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(str(home / "dags")).dags["retention_bench"]
+    started = time.perf_counter()
+    run = dag.test(logical_date=RUN_DATE)
+    print(json.dumps({"seconds": time.perf_counter() - started, "state": str(run.state)}))
+
+
+class Scheduler:
+    """Method (e): a real Airflow (scheduler, dag-processor, api-server, triggerer, LocalExecutor)
+    started once, before the timed part; each measurement triggers one DAG run through the REST API."""
+
+    def __init__(self, server: str, dsn: str, workers: int) -> None:
+        from airflow_retention.demo.deployment import Deployment
+
+        self.dags = Path(tempfile.mkdtemp(prefix="retention-bench-dags-"))
+        (self.dags / "bench_dag.py").write_text(BENCH_DAG)
+        policy = bench_policy(max_active_chunks=workers)
+        self.deployment = Deployment(
+            server_dsn=server,
+            target_dsn=dsn,
+            dags_folder=self.dags,
+            env={
+                "BENCH_POLICY": json.dumps(policy_to_dict(policy)),
+                "AIRFLOW__CORE__PARALLELISM": str(max(8, workers + 2)),
+                "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+            },
+        )
+        self.runs = 0
+
+    def __enter__(self) -> Scheduler:
+        self.deployment.__enter__()
+        self.deployment.wait_for_dag("retention_bench", timeout=180)
+        self.deployment.unpause("retention_bench")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.deployment.__exit__(None, None, None)
+
+    def purge(self) -> tuple[int, dict[str, Any]]:
+        d = self.deployment
+        self.runs += 1
+        run_id = f"bench_{self.runs}"
+        d.api(
+            "POST",
+            "/dags/retention_bench/dagRuns",
+            json={"dag_run_id": run_id, "logical_date": RUN_DATE.isoformat()},
+        )
+
+        def finished() -> dict[str, Any] | None:
+            run = d.api("GET", f"/dags/retention_bench/dagRuns/{run_id}")
+            return run if run["state"] in ("success", "failed") else None
+
+        run = d.wait_until(finished, 1800, f"bench run {run_id}", interval=0.5)
+        if run["state"] != "success":
+            raise AssertionError(f"bench DAG run {run_id} failed; logs in {d.home}")
+        tis = d.api("GET", f"/dags/retention_bench/dagRuns/{run_id}/taskInstances", params={"limit": 1000})
+        plan = next(t for t in tis["task_instances"] if t["task_id"].endswith(".plan"))
+        seconds = (_instant(run["end_date"]) - _instant(run["start_date"])).total_seconds()
+        totals = ledger_totals(d.target_dsn)
+        return totals["rows"], {
+            "seconds": seconds,
+            "planning_s": round(float(plan["duration"] or 0), 2),
+            "planning_share": round(float(plan["duration"] or 0) / seconds, 3),
+            "task_instances": len(tis["task_instances"]),
+            **totals,
+        }
+
+
+def _instant(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def planner_memory(dsn: str, sizes: list[int]) -> list[dict[str, Any]]:
+    """Peak Python memory of the planner (tracemalloc) on tables of each size: it must not grow with
+    the table, since the server finds the chunk boundaries."""
+    out = []
+    for rows in sizes:
+        build_template(dsn, rows)
+        admin = psycopg2.connect(dsn)
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            for statement in COPY_SQL:
+                cur.execute(statement)
+        admin.close()
+        for mode in ("block", "key", "tenant"):
+            conn = psycopg2.connect(dsn)
+            tracemalloc.start()
+            started = time.perf_counter()
+            policy = bench_policy(chunk_by="key", tenants=True) if mode == "tenant" else bench_policy(chunk_by=mode)
+            preview = compute_plan(conn, policy, CUTOFF)
+            seconds = time.perf_counter() - started
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            conn.close()
+            out.append(
+                {
+                    "rows": rows,
+                    "chunks_by": mode,
+                    "chunks": len(preview.chunks),
+                    "peak_kib": round(peak / 1024, 1),
+                    "seconds": round(seconds, 2),
+                }
+            )
+    return out
+
+
+def build_template(dsn: str, rows: int) -> None:
     print(f"building bench.template with {rows:,} rows ...", flush=True)
     admin = psycopg2.connect(dsn)
     admin.autocommit = True
@@ -256,37 +457,101 @@ def main(argv: list[str] | None = None) -> int:
         cur.execute(TEMPLATE_SQL, {"rows": rows, "cutoff": CUTOFF})
     admin.close()
 
-    idle = measure(dsn, "idle (no purge)", lambda: (time.sleep(3), (0, 0.0, {}))[1], purges=False)
-    methods: list[tuple[str, Callable[[], tuple[int, float, dict[str, Any]]]]] = [
-        ("a. unbounded DELETE", lambda: unbounded(dsn)),
-        (f"b. DELETE ... IN (SELECT ... LIMIT {BATCH}) loop", lambda: limit_loop(dsn)),
-    ]
-    methods += [(f"c. planner + chunk engine, {w} worker(s)", lambda w=w: engine(dsn, w)) for w in args.workers]
-    methods += [("c. same, 1 worker, no tenant column", lambda: engine(dsn, 1, tenants=False))]
-    results = []
-    for name, purge in methods:
-        print(f"running {name} ...", flush=True)
-        results.append(measure(dsn, name, purge))
-    admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
 
+def median_of(repeat: int, dsn: str, name: str, purge: Purge) -> Result:
+    """Measure ``repeat`` times; keep the run with the median wall time (its other numbers with it)."""
+    runs = []
+    for i in range(repeat):
+        print(f"running {name}" + (f" ({i + 1}/{repeat})" if repeat > 1 else "") + " ...", flush=True)
+        runs.append(measure(dsn, name, purge))
+    runs.sort(key=lambda r: r.seconds)
+    chosen = runs[len(runs) // 2]
+    if repeat > 1:
+        chosen.notes["all_seconds"] = [round(r.seconds, 2) for r in runs]
+    return chosen
+
+
+def print_table(rows: int, idle: Result, results: list[Result]) -> None:
     ref = results[0]
     print()
     print(
         f"{rows:,} rows, {ref.rows:,} eligible;"
         f" foreground idle p50 {idle.fg_p50_ms:.2f} ms, p99 {idle.fg_p99_ms:.2f} ms"
     )
-    header = f"{'method':<44} {'s':>7} {'rows/s':>10} {'x(a)':>6} {'longest txn ms':>15} {'WAL MB':>8} {'x(a)':>6}"
+    header = f"{'method':<46} {'s':>7} {'rows/s':>10} {'x(a)':>6} {'longest txn ms':>15} {'WAL MB':>8} {'x(a)':>6}"
     header += f" {'fg p50':>7} {'fg p99':>7} {'p99/idle':>8}"
     print(header)
     for r in results:
         print(
-            f"{r.method:<44} {r.seconds:>7.1f} {r.rows_per_s:>10,.0f} {r.rows_per_s / ref.rows_per_s:>6.2f}"
+            f"{r.method:<46} {r.seconds:>7.1f} {r.rows_per_s:>10,.0f} {r.rows_per_s / ref.rows_per_s:>6.2f}"
             f" {r.longest_txn_ms:>15,.0f} {r.wal_bytes / 2**20:>8.0f} {r.wal_bytes / max(ref.wal_bytes, 1):>6.2f}"
             f" {r.fg_p50_ms:>7.2f} {r.fg_p99_ms:>7.2f} {r.fg_p99_ms / max(idle.fg_p99_ms, 1e-9):>8.1f}"
         )
+    for r in results:
+        if r.notes:
+            print(f"  {r.method}: {r.notes}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--large", action="store_true", help="10,000,000 rows")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="engine workers for (c)")
+    parser.add_argument("--methods", nargs="+", default=list("abcde"), choices=list("abcde"))
+    parser.add_argument("--repeat", type=int, default=1, help="measure each method this many times; report the median")
+    parser.add_argument("--memory-sizes", type=int, nargs="*", default=None, help="planner memory at these sizes")
+    parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_bench' is recreated on it)")
+    parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results.json")
+    parser.add_argument("--dag-test-child", nargs=2, metavar=("HOME", "DSN"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.dag_test_child:
+        dag_test_child(Path(args.dag_test_child[0]), args.dag_test_child[1])
+        return 0
+    rows = 10_000_000 if args.large else args.rows
+    memory_sizes = args.memory_sizes if args.memory_sizes is not None else ([2_000_000, rows] if args.large else [])
+
+    server = resolve_dsn(args.dsn)
+    admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
+    dsn = make_dsn(server, dbname=DB)
+    try:
+        memory = planner_memory(dsn, sorted(set(memory_sizes))) if memory_sizes else []
+        build_template(dsn, rows)
+        idle = measure(dsn, "idle (no purge)", lambda: (time.sleep(3), (0, {}))[1], purges=False)
+        methods: list[tuple[str, Purge]] = [("a. unbounded DELETE", lambda: unbounded(dsn))]
+        if "b" in args.methods:
+            methods.append((f"b. DELETE ... IN (SELECT ... LIMIT {LIMIT_LOOP_BATCH}) loop", lambda: limit_loop(dsn)))
+        if "c" in args.methods:
+            for w in args.workers:
+                methods.append((f"c. planner + engine, blocks, {w} worker(s)", lambda w=w: engine(dsn, w)))
+            methods.append(("c. planner + engine, key ranges, 1 worker", lambda: engine(dsn, 1, "key")))
+            methods.append(("c. planner + engine, per-tenant keys, 1 worker", lambda: engine(dsn, 1, tenants=True)))
+        if "d" in args.methods:
+            methods.append(("d. whole DAG, dag.test()", lambda: dag_test(dsn)))
+        results = []
+        for name, purge in methods:
+            results.append(median_of(args.repeat, dsn, name, purge))
+        if "e" in args.methods:
+            workers = max(args.workers)
+            print(f"starting Airflow (scheduler, LocalExecutor, {workers} chunk task(s) at once) ...", flush=True)
+            with Scheduler(server, dsn, workers) as scheduler:
+                name = f"e. whole DAG, scheduler + LocalExecutor, {workers} at once"
+                results.append(median_of(args.repeat, dsn, name, scheduler.purge))
+    finally:
+        admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+
+    print_table(rows, idle, results)
+    for m in memory:
+        print(
+            f"planner memory: {m['rows']:>12,} rows, {m['chunks_by']:>6} chunks:"
+            f" {m['chunks']:>4} chunks, peak {m['peak_kib']:>8,.1f} KiB, {m['seconds']:.2f} s"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
-        json.dumps({"rows": rows, "idle": asdict(idle), "results": [asdict(r) for r in results]}, indent=2)
+        json.dumps(
+            {"rows": rows, "idle": asdict(idle), "results": [asdict(r) for r in results], "planner_memory": memory},
+            indent=2,
+            default=str,
+        )
     )
     print(f"\nresults written to {args.json}")
     return 0

@@ -151,6 +151,6 @@ def _check_condition(conn: Any, policy: RetentionPolicy) -> None:
     from airflow_retention.core.sql import condition_probe
 
     try:
-        dbapi.fetch_all(conn, condition_probe(policy))
+        dbapi.fetch_all(conn, condition_probe(policy), lock_timeout_ms=policy.lock_timeout_ms)
     except PermanentError as exc:
         raise PermanentError(f"policy {policy.name!r}: field 'condition' is not valid SQL here: {exc}") from exc

@@ -70,9 +70,15 @@ def set_local_timeouts(cur: Any, lock_timeout_ms: int, statement_timeout_ms: int
     )
 
 
-def fetch_all(conn: Any, sql: str, params: Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
-    """Run one read-only statement in its own transaction and return its rows."""
+def fetch_all(
+    conn: Any, sql: str, params: Mapping[str, Any] | None = None, *, lock_timeout_ms: int | None = None
+) -> list[tuple[Any, ...]]:
+    """Run one read-only statement in its own transaction and return its rows. With ``lock_timeout_ms``
+    the statement waits at most that long for a table lock (behind a queued ``ALTER TABLE``, say) and
+    fails retryable (55P03) instead of joining the lock queue for good."""
     with transaction(conn) as cur:
+        if lock_timeout_ms is not None:
+            cur.execute("SELECT set_config('lock_timeout', %(lock)s, true)", {"lock": str(lock_timeout_ms)})
         cur.execute(sql, params)
         return list(cur.fetchall())
 

@@ -3,11 +3,17 @@
 Each batch transaction
   1. sets ``lock_timeout`` and ``statement_timeout`` for itself,
   2. locks the chunk's ledger row (attempts of one chunk, e.g. a zombie and its retry, queue here),
-  3. reads the chunk's progress from that row, so a killed attempt resumes after its last commit,
-  4. picks at most ``batch_size`` eligible keys from there and deletes them, re-checking the range, the
-     cutoff and the condition in the DELETE itself (a row reopened since planning survives),
+  3. reads the chunk's progress from that row (tenant and key), so a killed attempt resumes after its
+     last commit,
+  4. takes the next ``n`` keys of the range from there and deletes the eligible rows among them,
+     re-checking the range, the cutoff and the condition in the DELETE itself (a row reopened since
+     planning survives),
   5. advances the progress and counts, and marks the chunk complete when the range is exhausted,
 and commits all of that at once. A replay of a complete chunk finds it complete and does nothing.
+
+A chunk of several small tenants walks them one at a time, each along the (tenant, key) index.
+Between batches the engine adapts ``n`` to the policy's target batch time and pauses while the
+database is under pressure (:mod:`pacing`).
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError, RetentionError
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.pacing import BatchSizer, Throttler
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import batch_statement
+from airflow_retention.core.sql import BLOCK_COUNT, batch_statement, batch_walk_statement
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +43,14 @@ log = logging.getLogger(__name__)
 class BatchReport:
     lo: int
     hi: int
-    picked: int
+    tenant: str | None
+    size: int
     deleted: int
     archived: int
+    matched: int
     ms: float
+    backoffs: int = 0
+    backoff_seconds: float = 0.0
 
 
 @dataclass
@@ -54,6 +65,9 @@ class ChunkResult:
     rows_matched: int = 0
     batches: int = 0
     seconds: float = 0.0
+    backoffs: int = 0
+    backoff_seconds: float = 0.0
+    last_batch_size: int | None = None
     resumed_from: int | None = None
     batch_log: list[BatchReport] = field(default_factory=list)
 
@@ -61,12 +75,14 @@ class ChunkResult:
         data = asdict(self)
         data.pop("batch_log")
         data["seconds"] = round(self.seconds, 3)
+        data["backoff_seconds"] = round(self.backoff_seconds, 3)
         data["longest_batch_ms"] = round(max((b.ms for b in self.batch_log), default=0.0), 1)
         return data
 
 
-def default_host() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+def default_host(hostname: str | None = None) -> str:
+    """``host:pid`` of this process, as the ledger records who ran a batch."""
+    return f"{hostname or socket.gethostname()}:{os.getpid()}"
 
 
 def run_chunk(
@@ -80,6 +96,7 @@ def run_chunk(
     ledger: Ledger | None = None,
     on_batch: Callable[[BatchReport], None] | None = None,
     lone: bool = False,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> ChunkResult:
     """Delete the eligible rows of one chunk; safe to call any number of times, from any number of
     processes at once. Raises :class:`RetryableError` (nothing of the failed batch applied; retry
@@ -93,6 +110,7 @@ def run_chunk(
     :param on_batch: called after each committed batch.
     :param lone: the chunk was not planned: it gets a run of its own (key ``<run key>#lone``) and its
         ledger rows are created here, so it never alters a planned run's expected chunk set.
+    :param sleep: how the throttle pauses (tests pass a fake).
     """
     cutoff = as_utc(cutoff)
     if chunk.lo >= chunk.hi:
@@ -107,44 +125,69 @@ def run_chunk(
     key = run_key(policy, cutoff, lone=lone)
     _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone)
 
+    walk = batch_walk_statement(policy, target, tenant_filter=chunk.tenants is not None)
     statement = batch_statement(policy, target, tenant_filter=chunk.tenants is not None)
     result = ChunkResult(run_key=key, chunk_key=chunk.key)
     started = time.perf_counter()
-    params: dict[str, Any] = {
-        "cutoff": cutoff,
-        "hi": chunk.hi,
-        "limit": policy.batch_size,
-        "tenants": list(chunk.tenants) if chunk.tenants is not None else None,
-    }
+    # A new chunk starts where the run's latest batches settled, not from scratch.
+    sizer = BatchSizer.for_policy(policy, ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None)
+    throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
+    params: dict[str, Any] = {"cutoff": cutoff, "hi": chunk.hi}
+    by_block = policy.chunk_by == "block"
+    rows_per_block = _rows_per_block(conn, policy) if by_block else 1.0
     try:
         while True:
+            throttler.wait_until_calm(conn)
+            size = sizer.size
             batch_started = time.perf_counter()
             with dbapi.transaction(conn) as cur:
                 dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
                 row = ledger.lock_chunk(cur, key, chunk.key)
                 if row is None:
                     raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
-                state, next_key, _, _, _, earlier_deleted = row
+                state, next_key, _, _, _, earlier_deleted, pos = row
                 if state == "complete":
                     result.already_complete = result.batches == 0
                     break
                 if result.batches == 0:
-                    result.resumed_from = next_key if next_key != chunk.lo else None
-                params["lo"] = next_key
-                cur.execute(statement, params)
-                picked, last_key, deleted, archived = cur.fetchone()
-                new_next = chunk.hi if picked < policy.batch_size else int(last_key) + 1
+                    resumed = next_key != chunk.lo or pos
+                    result.resumed_from = next_key if resumed else None
+                tenant = chunk.tenants[pos] if chunk.tenants is not None else None
+                batch = {**params, "lo": next_key, "limit": size, "tenant": tenant}
+                if by_block:
+                    # Blocks instead of keys: as many as hold about ``size`` rows.
+                    upper = min(chunk.hi, next_key + max(1, round(size / rows_per_block)))
+                    last_key = upper - 1
+                    cur.execute(statement, {**batch, "lo_tid": f"({next_key},0)", "hi_tid": f"({upper},0)"})
+                    full = upper < chunk.hi
+                else:
+                    cur.execute(walk, batch)
+                    extent = cur.fetchone()
+                    last_key = int(extent[0]) if extent is not None else chunk.hi - 1
+                    cur.execute(statement, {**batch, "upper": last_key})
+                    full = extent is not None and last_key + 1 < chunk.hi
+                if policy.dry_run or policy.archive_table is not None:
+                    deleted, archived, matched = cur.fetchone()
+                else:
+                    deleted, archived, matched = cur.rowcount, 0, 0
+                new_next, new_pos = (last_key + 1, pos) if full else (chunk.hi, pos)
+                if not full and chunk.tenants is not None and pos + 1 < len(chunk.tenants):
+                    new_next, new_pos = chunk.lo, pos + 1  # this tenant is done: the next one from the start
                 exhausted = new_next >= chunk.hi
-                matched = picked if policy.dry_run else 0
                 outcome = None
                 if exhausted:
                     total = earlier_deleted + deleted
                     outcome = "dry_run" if policy.dry_run else ("deleted" if total else "nothing_to_delete")
+                backoffs, backoff_s = throttler.take()
                 ledger.record_batch(
                     cur,
                     key,
                     chunk.key,
                     next_key=new_next,
+                    tenant_pos=new_pos,
+                    batch_size=size,
+                    backoffs=backoffs,
+                    backoff_seconds=backoff_s,
                     deleted=deleted,
                     archived=archived,
                     matched=matched,
@@ -155,25 +198,36 @@ def run_chunk(
                 )
             report = BatchReport(
                 lo=next_key,
-                hi=new_next,
-                picked=picked,
+                hi=new_next if new_pos == pos else chunk.hi,
+                tenant=tenant,
+                size=size,
                 deleted=deleted,
                 archived=archived,
+                matched=matched,
                 ms=(time.perf_counter() - batch_started) * 1000,
+                backoffs=backoffs,
+                backoff_seconds=backoff_s,
             )
+            sizer.observe(report.ms, full=full)
             result.batches += 1
             result.rows_deleted += deleted
             result.rows_archived += archived
             result.rows_matched += matched
+            result.backoffs += backoffs
+            result.backoff_seconds += backoff_s
+            result.last_batch_size = size
             result.batch_log.append(report)
             log.info(
-                "chunk %s batch %d: ids [%s, %s) %s %d rows in %.0f ms%s",
+                "chunk %s batch %d: %s%s [%s, %s) %s %d of up to %d rows in %.0f ms%s",
                 chunk.key,
                 result.batches,
+                f"tenant {tenant} " if tenant is not None else "",
+                "blocks" if by_block else "ids",
                 report.lo,
                 report.hi,
                 "would delete" if policy.dry_run else "deleted",
-                picked if policy.dry_run else deleted,
+                matched if policy.dry_run else deleted,
+                size,
                 report.ms,
                 " (chunk complete)" if exhausted else "",
             )
@@ -182,12 +236,24 @@ def run_chunk(
             if exhausted:
                 break
     except RetentionError as exc:
-        ledger.record_error(conn, key, chunk.key, str(exc), policy.lock_timeout_ms)
+        backoffs, backoff_s = throttler.take()
+        result.backoffs += backoffs
+        ledger.record_error(
+            conn, key, chunk.key, str(exc), policy.lock_timeout_ms, backoffs=backoffs, backoff_seconds=backoff_s
+        )
         raise
     result.seconds = time.perf_counter() - started
     if result.already_complete:
         log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
     return result
+
+
+def _rows_per_block(conn: Any, policy: RetentionPolicy) -> float:
+    """The table's rows per block by the server's estimate, to turn a batch size into blocks."""
+    blocks, reltuples, _ = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": policy.table.regclass_literal})[0]
+    if not blocks or reltuples is None or reltuples <= 0:
+        return 50.0  # never analysed: a guess, corrected by the adaptive batch size
+    return max(1.0, float(reltuples) / float(blocks))
 
 
 def _ensure_chunk_row(
@@ -228,7 +294,7 @@ def _ensure_chunk_row(
             f"chunk {chunk.key} is not in the ledger's plan of run {key}: the run was never planned, or its"
             " ledger rows were deleted. Re-plan the run (clear its plan task), or run the chunk as a lone chunk"
         )
-    _, _, lo, hi, tenants, _ = stored
+    _, _, lo, hi, tenants, _, _ = stored
     if (lo, hi) != (chunk.lo, chunk.hi) or (tuple(tenants) if tenants is not None else None) != chunk.tenants:
         raise PermanentError(
             f"chunk key {chunk.key!r} of run {key} is recorded with tenants {tenants} and range [{lo}, {hi}),"

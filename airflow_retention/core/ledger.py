@@ -17,7 +17,7 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Each step moves the ledger from version N-1 to N. Steps only ever get appended.
 _MIGRATIONS: dict[int, str] = {
@@ -75,6 +75,22 @@ CREATE TABLE IF NOT EXISTS {s}.chunks (
 );
 CREATE INDEX IF NOT EXISTS chunks_incomplete ON {s}.chunks (run_key) WHERE state <> 'complete';
 CREATE INDEX IF NOT EXISTS runs_policy_cutoff ON {s}.runs (policy, cutoff DESC);
+""",
+    # Adaptive batches, throttling, per-tenant progress in packed chunks, cleanup lag, vacuum.
+    2: """
+ALTER TABLE {s}.runs
+    ADD COLUMN IF NOT EXISTS oldest_eligible_at timestamptz,
+    ADD COLUMN IF NOT EXISTS eligible_left bigint,
+    ADD COLUMN IF NOT EXISTS cleanup_lag_seconds double precision,
+    ADD COLUMN IF NOT EXISTS lag_measured_at timestamptz,
+    ADD COLUMN IF NOT EXISTS vacuumed_at timestamptz;
+ALTER TABLE {s}.chunks
+    ADD COLUMN IF NOT EXISTS tenant_pos integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS last_batch_size integer,
+    ADD COLUMN IF NOT EXISTS min_batch_size integer,
+    ADD COLUMN IF NOT EXISTS max_batch_size integer,
+    ADD COLUMN IF NOT EXISTS backoffs integer NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS backoff_seconds double precision NOT NULL DEFAULT 0;
 """,
 }
 
@@ -253,13 +269,56 @@ class Ledger:
         return run
 
     def recent_runs(self, conn: Any, policy: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The latest ``limit`` runs (of one policy, or of all), returned per policy, oldest cutoff first."""
         rows = dbapi.fetch_all(
             conn,
             f"SELECT {_RUN_COLUMNS} FROM {self.s}.runs"
-            " WHERE %(p)s::text IS NULL OR policy = %(p)s::text ORDER BY policy, cutoff LIMIT %(n)s::integer",
+            " WHERE run_key IN (SELECT run_key FROM {s}.runs WHERE %(p)s::text IS NULL OR policy = %(p)s::text"
+            "   ORDER BY cutoff DESC, planned_at DESC LIMIT %(n)s::integer)"
+            " ORDER BY policy, cutoff, planned_at".replace("{s}", self.s),
             {"p": policy, "n": limit},
         )
         return [dict(zip(_RUN_FIELDS, row, strict=True)) for row in rows]
+
+    def policies(self, conn: Any) -> list[str]:
+        """Every policy with a run in this ledger."""
+        return [r[0] for r in dbapi.fetch_all(conn, f"SELECT DISTINCT policy FROM {self.s}.runs ORDER BY 1")]
+
+    def recent_batch_size(self, conn: Any, run_key: str) -> int | None:
+        """The batch size the run's most recent batch settled on: a new chunk starts from it."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT last_batch_size FROM {self.s}.chunks WHERE run_key = %(k)s AND last_batch_size IS NOT NULL"
+            " ORDER BY last_batch_at DESC LIMIT 1",
+            {"k": run_key},
+        )
+        return int(rows[0][0]) if rows else None
+
+    def record_cleanup_lag(
+        self, conn: Any, run_key: str, *, oldest: datetime | None, left: int, lag_seconds: float
+    ) -> None:
+        """What the run left behind: the oldest eligible row, how many (capped), how overdue."""
+        with dbapi.transaction(conn) as cur:
+            cur.execute(
+                f"UPDATE {self.s}.runs SET oldest_eligible_at = %(o)s::timestamptz, eligible_left = %(n)s::bigint,"
+                " cleanup_lag_seconds = %(lag)s::double precision, lag_measured_at = now() WHERE run_key = %(k)s",
+                {"k": run_key, "o": oldest, "n": left, "lag": lag_seconds},
+            )
+
+    def record_vacuum(self, conn: Any, run_key: str) -> None:
+        with dbapi.transaction(conn) as cur:
+            cur.execute(f"UPDATE {self.s}.runs SET vacuumed_at = now() WHERE run_key = %(k)s", {"k": run_key})
+
+    def prune(self, conn: Any, policy: str, keep_days: int) -> int:
+        """Delete the policy's runs (and their chunks) last touched more than ``keep_days`` ago (by their
+        planning or completion time, not their cutoff: a backfill of an old date is kept like any run)."""
+        with dbapi.transaction(conn) as cur:
+            cur.execute(
+                f"DELETE FROM {self.s}.runs WHERE policy = %(p)s"
+                " AND coalesce(completed_at, planned_at) < now() - make_interval(days => %(d)s::integer)",
+                {"p": policy, "d": keep_days},
+            )
+            return int(cur.rowcount)
 
     def complete_cutoffs(
         self, conn: Any, policy: str, dry_run: bool, since: datetime, until: datetime
@@ -277,7 +336,8 @@ class Ledger:
 
     def lock_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
         """Lock the chunk's row for the rest of the transaction: attempts of one chunk serialise here.
-        Returns (state, next_key, lo, hi, tenants, rows_deleted) or None when there is no such row."""
+        Returns (state, next_key, lo, hi, tenants, rows_deleted, tenant_pos) or None when there is no
+        such row. ``tenant_pos`` is the index of the tenant a packed chunk is working on."""
         return self._chunk_row(cur, run_key, chunk_key, " FOR UPDATE")
 
     def read_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
@@ -286,7 +346,7 @@ class Ledger:
 
     def _chunk_row(self, cur: Any, run_key: str, chunk_key: str, locking: str) -> tuple[Any, ...] | None:
         cur.execute(
-            f"SELECT state, next_key, lo, hi, tenants, rows_deleted FROM {self.s}.chunks"
+            f"SELECT state, next_key, lo, hi, tenants, rows_deleted, tenant_pos FROM {self.s}.chunks"
             f" WHERE run_key = %(r)s AND chunk_key = %(c)s{locking}",
             {"r": run_key, "c": chunk_key},
         )
@@ -299,6 +359,10 @@ class Ledger:
         chunk_key: str,
         *,
         next_key: int,
+        tenant_pos: int,
+        batch_size: int,
+        backoffs: int,
+        backoff_seconds: float,
         deleted: int,
         archived: int,
         matched: int,
@@ -308,7 +372,12 @@ class Ledger:
         first_batch_of_attempt: bool,
     ) -> None:
         cur.execute(
-            f"UPDATE {self.s}.chunks SET next_key = %(next)s::bigint,"
+            f"UPDATE {self.s}.chunks SET next_key = %(next)s::bigint, tenant_pos = %(pos)s::integer,"
+            " last_batch_size = %(size)s::integer,"
+            " min_batch_size = least(min_batch_size, %(size)s::integer),"
+            " max_batch_size = greatest(max_batch_size, %(size)s::integer),"
+            " backoffs = backoffs + %(backoffs)s::integer,"
+            " backoff_seconds = backoff_seconds + %(backoff_s)s::double precision,"
             " rows_deleted = rows_deleted + %(deleted)s::bigint,"
             " rows_archived = rows_archived + %(archived)s::bigint,"
             " rows_matched = rows_matched + %(matched)s::bigint,"
@@ -329,6 +398,10 @@ class Ledger:
                 "r": run_key,
                 "c": chunk_key,
                 "next": next_key,
+                "pos": tenant_pos,
+                "size": batch_size,
+                "backoffs": backoffs,
+                "backoff_s": backoff_seconds,
                 "deleted": deleted,
                 "archived": archived,
                 "matched": matched,
@@ -347,18 +420,34 @@ class Ledger:
             # Impossible while we hold the row lock; refuse to commit a batch the ledger did not record.
             raise PermanentError(f"chunk {chunk_key} of run {run_key} vanished or completed under its lock")
 
-    def record_error(self, conn: Any, run_key: str, chunk_key: str, message: str, lock_timeout_ms: int) -> None:
+    def record_error(
+        self,
+        conn: Any,
+        run_key: str,
+        chunk_key: str,
+        message: str,
+        lock_timeout_ms: int,
+        *,
+        backoffs: int = 0,
+        backoff_seconds: float = 0.0,
+    ) -> None:
         """Best effort, in a transaction of its own: the batch that failed has been rolled back. Gives up
         after ``lock_timeout_ms`` when another attempt holds the row: the error still reaches the caller."""
         try:
             with dbapi.transaction(conn) as cur:
                 dbapi.set_local_timeouts(cur, lock_timeout_ms, max(lock_timeout_ms, 1000))
                 cur.execute(
-                    f"UPDATE {self.s}.chunks SET last_error = %(m)s WHERE run_key = %(r)s AND chunk_key = %(c)s",
-                    {"m": message[:2000], "r": run_key, "c": chunk_key},
+                    f"UPDATE {self.s}.chunks SET last_error = %(m)s, backoffs = backoffs + %(b)s::integer,"
+                    " backoff_seconds = backoff_seconds + %(bs)s::double precision"
+                    " WHERE run_key = %(r)s AND chunk_key = %(c)s",
+                    {"m": message[:2000], "r": run_key, "c": chunk_key, "b": backoffs, "bs": backoff_seconds},
                 )
         except Exception:  # noqa: BLE001 - the connection may be the thing that failed
             pass
+
+
+# Chunk keys of policies with ``chunk_by: block`` start with this: their lo/hi are block numbers.
+BLOCK_CHUNK_PREFIX = "blocks:"
 
 
 @dataclass(frozen=True)
@@ -374,6 +463,8 @@ class ChunkSpec:
 
     def label(self) -> str:
         """What the Airflow UI shows for the mapped task: "tenant 7 · ids 120000-130000"."""
+        if self.key.startswith(BLOCK_CHUNK_PREFIX):
+            return f"blocks {self.lo}-{self.hi - 1}"
         ids = f"ids {self.lo}-{self.hi - 1}"
         if self.tenants is None:
             return ids
@@ -424,13 +515,15 @@ class RunRecord:
 _RUN_FIELDS = (
     "run_key", "policy", "target_table", "cutoff", "dry_run", "state", "chunk_rows", "batch_size",
     "chunks_expected", "rows_planned", "planned_at", "planned_by", "completed_at", "chunks_completed",
-    "rows_deleted", "rows_archived", "rows_matched", "verified_by",
+    "rows_deleted", "rows_archived", "rows_matched", "verified_by", "oldest_eligible_at", "eligible_left",
+    "cleanup_lag_seconds", "lag_measured_at", "vacuumed_at",
 )  # fmt: skip
 _RUN_COLUMNS = ", ".join(_RUN_FIELDS)
 _CHUNK_FIELDS = (
     "run_key", "chunk_key", "seq", "tenants", "lo", "hi", "rows_planned", "state", "next_key",
     "rows_deleted", "rows_archived", "rows_matched", "batches", "attempts", "first_started_at",
     "last_batch_at", "completed_at", "completed_dag_id", "completed_run_id", "completed_map_index",
-    "completed_try_number", "completed_host", "last_host", "outcome", "last_error",
+    "completed_try_number", "completed_host", "last_host", "outcome", "last_error", "tenant_pos",
+    "last_batch_size", "min_batch_size", "max_batch_size", "backoffs", "backoff_seconds",
 )  # fmt: skip
 _CHUNK_COLUMNS = ", ".join(_CHUNK_FIELDS)

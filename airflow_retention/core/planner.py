@@ -19,17 +19,26 @@ from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger import ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import boundary_statement, group_statement, null_timestamps_statement
+from airflow_retention.core.sql import (
+    BLOCK_COUNT,
+    MAX_KEY,
+    MIN_KEY,
+    block_sample_statement,
+    boundary_statement,
+    group_statement,
+    null_timestamps_statement,
+)
 
 log = logging.getLogger(__name__)
 
-MIN_KEY = -(2**63) + 1  # psycopg2 sends -9223372036854775808::bigint, which overflows before negation
-MAX_KEY = 2**63 - 1
 # A shared chunk lists its tenants in XCom and in the ledger: keep that list bounded.
 MAX_TENANTS_PER_CHUNK = 500
 _GROWTH = 1.25
+# The block planner samples about this many rows (all of a smaller table) to find the eligible ones.
+BLOCK_SAMPLE_ROWS = 30_000
+MIN_TID_RANGE_SERVER = 140000
 
 
 @dataclass(frozen=True)
@@ -104,7 +113,12 @@ def choose_chunk_rows(groups: list[Group], chunk_rows: int, max_chunks: int) -> 
 
 
 def read_groups(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime) -> list[Group]:
-    rows = dbapi.fetch_all(conn, group_statement(policy, target), {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY})
+    rows = dbapi.fetch_all(
+        conn,
+        group_statement(policy, target),
+        {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY},
+        lock_timeout_ms=policy.lock_timeout_ms,
+    )
     groups = []
     for tenant, count, lo, hi in rows:
         if not count:
@@ -133,7 +147,7 @@ def _merge(groups: list[Group]) -> Group:
 
 
 def warn_null_timestamps(conn: Any, policy: RetentionPolicy) -> int:
-    (count,) = dbapi.fetch_all(conn, null_timestamps_statement(policy))[0]
+    (count,) = dbapi.fetch_all(conn, null_timestamps_statement(policy), lock_timeout_ms=policy.lock_timeout_ms)[0]
     if count:
         log.warning(
             "policy %s: %d row(s) of %s have a NULL %s: they are never deleted; give them a timestamp or"
@@ -183,12 +197,12 @@ def _walk(
 ) -> list[ChunkSpec]:
     tenants = (group.tenant,) if group.tenant is not None else None
     statement = boundary_statement(policy, target, tenant_filter=tenants is not None)
-    params = {"cutoff": cutoff, "hi": group.hi, "offset": chunk_rows, "tenants": list(tenants or ())}
+    params = {"cutoff": cutoff, "hi": group.hi, "offset": chunk_rows, "tenant": group.tenant}
     chunks: list[ChunkSpec] = []
     lo = group.lo
     remaining = group.rows
     while True:
-        rows = dbapi.fetch_all(conn, statement, {**params, "lo": lo})
+        rows = dbapi.fetch_all(conn, statement, {**params, "lo": lo}, lock_timeout_ms=policy.lock_timeout_ms)
         if not rows:
             chunks.append(_spec(tenants, lo, group.hi, max(remaining, 0), first_seq + len(chunks)))
             return chunks
@@ -202,32 +216,38 @@ def _spec(tenants: tuple[str, ...] | None, lo: int, hi: int, rows: int, seq: int
     return ChunkSpec(key=chunk_key(tenants, lo, hi), lo=lo, hi=hi, tenants=tenants, seq=seq, rows_planned=rows)
 
 
-def plan_run(
+@dataclass(frozen=True)
+class Preview:
+    """A plan computed without writing anything: what :func:`plan_run` would record."""
+
+    run_key: str
+    cutoff: datetime
+    chunks: list[ChunkSpec]
+    rows_planned: int
+    chunk_rows: int
+    tenant_groups: int
+    null_timestamps: int
+
+
+def compute_plan(
     conn: Any,
     policy: RetentionPolicy,
     cutoff: datetime,
     *,
     max_chunks: int = 1024,
-    planned_by: str | None = None,
     target: TargetInfo | None = None,
-) -> Plan:
-    """Plan the run of ``policy`` at ``cutoff`` once; later calls for the same run key return the stored
-    plan. Creates the ledger if needed. A plan with no chunks records the run complete with zero rows."""
+) -> Preview:
+    """Count the eligible rows and cut them into chunks; reads only (no ledger, no writes)."""
     cutoff = as_utc(cutoff)
     if max_chunks < 1:
         raise PermanentError(f"max_chunks must be at least 1, got {max_chunks}")
-    ledger = Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
-    ledger.ensure(conn)
-    key = run_key(policy, cutoff)
-    stored = ledger.get_run(conn, key)
-    if stored is not None:
-        return _stored(conn, ledger, key, cutoff, stored)
-
     target = target or inspect_target(conn, policy)
     refuse_future_cutoff(conn, policy, cutoff)
+    if policy.chunk_by == "block":
+        return _plan_blocks(conn, policy, target, cutoff, max_chunks)
     groups = read_groups(conn, policy, target, cutoff)
-    warn_null_timestamps(conn, policy)
+    null_timestamps = warn_null_timestamps(conn, policy)
     if math.ceil(len(groups) / MAX_TENANTS_PER_CHUNK) > max_chunks:
         log.warning(
             "policy %s: %d tenants have eligible rows, more than %d chunks of at most %d tenants can list;"
@@ -250,7 +270,94 @@ def plan_run(
             size,
         )
     chunks = split(conn, policy, target, cutoff, groups, size)
-    rows = sum(g.rows for g in groups)
+    return Preview(
+        run_key=run_key(policy, cutoff),
+        cutoff=cutoff,
+        chunks=chunks,
+        rows_planned=sum(g.rows for g in groups),
+        chunk_rows=size,
+        tenant_groups=len(groups),
+        null_timestamps=null_timestamps,
+    )
+
+
+def _plan_blocks(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, max_chunks: int) -> Preview:
+    """Chunks of consecutive blocks holding about ``chunk_rows`` eligible rows each, by a repeatable
+    sample; together they cover every block of the table as it is now, so no eligible row is left out
+    whatever the sample saw (blocks added later hold rows newer than the cutoff, or wait for the next
+    run). ``rows_planned`` are estimates."""
+    (blocks, reltuples, server) = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": policy.table.regclass_literal})[0]
+    if server < MIN_TID_RANGE_SERVER:
+        raise PermanentError(
+            f"policy {policy.name!r}: chunk_by 'block' needs PostgreSQL 14 or later (TID range scans);"
+            f" this server is {server // 10000}: use chunk_by 'key'"
+        )
+    blocks = int(blocks)
+    percent = 100.0 if reltuples <= 0 else min(100.0, max(0.01, 100.0 * BLOCK_SAMPLE_ROWS / reltuples))
+    sampled = dbapi.fetch_all(
+        conn,
+        block_sample_statement(policy, target),
+        {"cutoff": cutoff, "percent": percent},
+        lock_timeout_ms=policy.lock_timeout_ms,
+    )
+    scale = 100.0 / percent
+    estimate = round(sum(int(n) for _, n in sampled) * scale)
+    size = max(policy.chunk_rows, math.ceil(estimate / max_chunks))
+    chunks: list[ChunkSpec] = []
+    lo, acc = 0, 0.0
+    for block, count in sampled:
+        acc += int(count) * scale
+        if acc >= size and int(block) + 1 < blocks and len(chunks) + 1 < max_chunks:
+            chunks.append(_block_spec(lo, int(block) + 1, round(acc), len(chunks)))
+            lo, acc = int(block) + 1, 0.0
+    if blocks > lo:
+        chunks.append(_block_spec(lo, blocks, round(acc), len(chunks)))
+    log.info(
+        "policy %s: %d block(s); a %.2f %% sample estimates %d eligible row(s): %d chunk(s) of block ranges",
+        policy.name,
+        blocks,
+        percent,
+        estimate,
+        len(chunks),
+    )
+    return Preview(
+        run_key=run_key(policy, cutoff),
+        cutoff=cutoff,
+        chunks=chunks,
+        rows_planned=estimate,
+        chunk_rows=size,
+        tenant_groups=0,
+        null_timestamps=warn_null_timestamps(conn, policy),
+    )
+
+
+def _block_spec(lo: int, hi: int, rows: int, seq: int) -> ChunkSpec:
+    return ChunkSpec(key=f"{BLOCK_CHUNK_PREFIX}{lo}-{hi}", lo=lo, hi=hi, tenants=None, seq=seq, rows_planned=rows)
+
+
+def plan_run(
+    conn: Any,
+    policy: RetentionPolicy,
+    cutoff: datetime,
+    *,
+    max_chunks: int = 1024,
+    planned_by: str | None = None,
+    target: TargetInfo | None = None,
+) -> Plan:
+    """Plan the run of ``policy`` at ``cutoff`` once; later calls for the same run key return the stored
+    plan. Creates the ledger if needed and prunes the policy's runs older than ``ledger_keep_days``. A
+    plan with no chunks records the run complete with zero rows."""
+    cutoff = as_utc(cutoff)
+    ledger = Ledger(policy.ledger_schema)
+    dbapi.prepare(conn)
+    ledger.ensure(conn)
+    key = run_key(policy, cutoff)
+    stored = ledger.get_run(conn, key)
+    if stored is not None:
+        return _stored(conn, ledger, key, cutoff, stored)
+
+    preview = compute_plan(conn, policy, cutoff, max_chunks=max_chunks, target=target)
+    chunks, rows, size = preview.chunks, preview.rows_planned, preview.chunk_rows
     with dbapi.transaction(conn) as cur:
         created = ledger.register_run(
             cur,
@@ -275,10 +382,18 @@ def plan_run(
         policy.name,
         key,
         len(chunks),
-        len(groups),
+        preview.tenant_groups,
         rows,
         size,
     )
+    pruned = ledger.prune(conn, policy.name, policy.ledger_keep_days)
+    if pruned:
+        log.info(
+            "policy %s: pruned %d ledger run(s) last planned or completed more than %d days ago (ledger_keep_days)",
+            policy.name,
+            pruned,
+            policy.ledger_keep_days,
+        )
     return Plan(run_key=key, cutoff=cutoff, chunks=chunks, rows_planned=rows, chunk_rows=size, reused=False)
 
 

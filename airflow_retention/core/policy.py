@@ -15,10 +15,114 @@ from airflow_retention.core.errors import PolicyError
 from airflow_retention.core.identifiers import TableName, check_ident
 
 MIN_BATCH_SIZE = 1
-MAX_BATCH_SIZE = 100_000
+MAX_BATCH_SIZE = 1_000_000
+DEFAULT_MIN_BATCH_SIZE = 500
+DEFAULT_MAX_BATCH_SIZE = 500_000
 MAX_CHUNK_ROWS = 100_000_000
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 DEFAULT_START_DATE = datetime(2025, 1, 1, tzinfo=timezone.utc)
+# The DAG of policy ``p`` built by the DAG factory is ``retention_<p>``.
+DAG_ID_PREFIX = "retention_"
+
+
+@dataclass(frozen=True)
+class Throttle:
+    """When the engine pauses between batches, so that a purge yields to a busy database.
+
+    Every check runs between two batches, outside their transactions. While any signal is above its
+    threshold the engine sleeps (``backoff``, doubling with jitter up to a minute) and checks again; once
+    it has paused ``give_up_after`` in one attempt it stops the chunk as retryable: its committed batches
+    stay, and Airflow's retry resumes it later.
+
+    :param max_replica_lag_ms: (YAML ``max_replica_lag``) the largest replay lag of any standby
+        (``pg_stat_replication.replay_lag`` on the primary) before pausing; ``"30s"`` or ms as int.
+        None: not checked. The role needs ``pg_monitor`` to see the lag.
+    :param max_lock_waiters: lock requests waiting on the target table (``pg_locks``, not granted) before
+        pausing, e.g. a migration's ``ALTER TABLE`` queued behind the purge. None: not checked.
+    :param probe: trusted SQL of the DAG author that returns one number (say, active sessions); it is
+        compared with ``probe_max``.
+    :param probe_max: the probe's largest acceptable value.
+    :param backoff_ms: (YAML ``backoff``) the first pause.
+    :param give_up_after_ms: (YAML ``give_up_after``) total pause of one attempt after which the chunk
+        stops as retryable.
+    """
+
+    max_replica_lag_ms: int | None = None
+    max_lock_waiters: int | None = None
+    probe: str | None = None
+    probe_max: float | None = None
+    backoff_ms: int = 1_000
+    give_up_after_ms: int = 600_000
+
+    def __post_init__(self) -> None:
+        for name, value in _validated_throttle(self).items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_replica_lag_ms is not None or self.max_lock_waiters is not None or self.probe is not None
+
+    @classmethod
+    def from_value(cls, value: object) -> Throttle:
+        """A ``Throttle`` from its YAML mapping (``max_replica_lag``, ``backoff``, ...)."""
+        if value is None:
+            return cls()
+        if isinstance(value, Throttle):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"must be a mapping of throttle settings, got {value!r}")
+        unknown = sorted(set(value) - set(_THROTTLE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(_THROTTLE_KEYS)})")
+        return cls(**{_THROTTLE_KEYS[k]: v for k, v in value.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, attr) for k, attr in _THROTTLE_KEYS.items()}
+
+
+_THROTTLE_KEYS = {
+    "max_replica_lag": "max_replica_lag_ms",
+    "max_lock_waiters": "max_lock_waiters",
+    "probe": "probe",
+    "probe_max": "probe_max",
+    "backoff": "backoff_ms",
+    "give_up_after": "give_up_after_ms",
+}
+
+
+def _validated_throttle(t: Throttle) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if t.max_replica_lag_ms is not None:
+        out["max_replica_lag_ms"] = _throttle_field("max_replica_lag", parse_timeout_ms, t.max_replica_lag_ms)
+    if t.max_lock_waiters is not None:
+        if isinstance(t.max_lock_waiters, bool) or not isinstance(t.max_lock_waiters, int) or t.max_lock_waiters < 0:
+            raise ValueError(f"max_lock_waiters: must be a non-negative integer, got {t.max_lock_waiters!r}")
+    if (t.probe is None) != (t.probe_max is None):
+        raise ValueError("probe and probe_max go together: give both or neither")
+    if t.probe is not None:
+        out["probe"] = _throttle_field("probe", check_probe, t.probe)
+        if isinstance(t.probe_max, bool) or not isinstance(t.probe_max, (int, float)):
+            raise ValueError(f"probe_max: must be a number, got {t.probe_max!r}")
+        out["probe_max"] = float(t.probe_max)
+    out["backoff_ms"] = _throttle_field("backoff", parse_timeout_ms, t.backoff_ms)
+    out["give_up_after_ms"] = _throttle_field("give_up_after", parse_timeout_ms, t.give_up_after_ms)
+    return out
+
+
+def _throttle_field(name: str, fn: Any, value: Any) -> Any:
+    try:
+        return fn(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def check_probe(probe: object) -> str:
+    """A throttle probe is one trusted query of the DAG author, run as written between batches."""
+    if not isinstance(probe, str) or not probe.strip():
+        raise ValueError("must be a non-empty SQL query returning one number")
+    if ";" in probe.strip().rstrip(";"):
+        raise ValueError("must be one query: ';' is not allowed")
+    return probe.strip().rstrip(";")
 
 
 @dataclass(frozen=True)
@@ -34,20 +138,37 @@ class RetentionPolicy:
     :param condition: extra eligibility, trusted SQL written by the DAG author, re-checked by every
         DELETE and wrapped in parentheses. Never build it from user input.
     :param tenant_column: plan chunks per tenant of this column.
-    :param batch_size: rows per transaction, 1 to 100,000.
+    :param chunk_by: ``"key"`` (default): chunks and batches are ranges of ``key_column``, per tenant with
+        a tenant column. ``"block"``: ranges of the table's physical blocks (``ctid``), read in order
+        like a sequential scan; no counting scan at planning (a sample estimates the eligible rows) and
+        no tenant column. For big append-mostly tables (logs, events); needs PostgreSQL 14+.
+    :param batch_size: keys per batch transaction (every row of the batch's key range, eligible or not),
+        and the first batch's size when batches adapt; 1 to 1,000,000.
+    :param target_batch_ms: (YAML ``target_batch_time``) adapt the batch size so that a batch transaction
+        takes about this long (``"200ms"``); 0 keeps every batch at ``batch_size``.
+    :param min_batch_size: the smallest adapted batch (default 500, or ``batch_size`` if smaller).
+    :param max_batch_size: the largest adapted batch (default 500,000, or ``batch_size`` if larger); the
+        target time, not this cap, normally sets the size.
     :param chunk_rows: eligible rows per chunk (one mapped task), at least ``batch_size``.
-    :param lock_timeout: ``lock_timeout`` set in every batch transaction (``"5s"``, ms as int).
-    :param statement_timeout: ``statement_timeout`` set in every batch transaction.
+    :param lock_timeout_ms: (YAML ``lock_timeout``) ``lock_timeout`` set in every batch transaction
+        (``"5s"``, ms as int).
+    :param statement_timeout_ms: (YAML ``statement_timeout``) ``statement_timeout`` set in every batch transaction.
     :param dry_run: count what would be deleted and delete nothing.
     :param archive_table: move deleted rows into this table in the same transaction (same column names).
     :param ledger_schema: the schema of the ledger tables in the target database.
     :param schedule: the DAG's schedule.
     :param start_date: the DAG's start date.
     :param catchup: whether the scheduler creates runs for missed intervals.
+    :param throttle: pressure checks between batches (``Throttle``; a mapping in YAML).
+    :param vacuum_after_rows: run ``VACUUM (ANALYZE)`` on the table after a run that deleted at least
+        this many rows. None: never.
+    :param ledger_keep_days: the planner deletes this policy's ledger runs planned (or completed) more
+        than this many days ago; at least 35, so the missed-run report of the last 31 days stays whole.
+    :param queue: the Airflow queue of every task of the policy (a Celery queue, say).
     :param pool: Airflow pool the chunk tasks run in (the database budget).
     :param max_active_chunks: chunk tasks of one run running at once.
     :param retries: retries of every task (exponential backoff).
-    :param retry_delay: the first retry's delay (``"30s"``); it doubles up to 10 minutes.
+    :param retry_delay_ms: (YAML ``retry_delay``) the first retry's delay (``"30s"``); it doubles up to 10 minutes.
     :param tags: extra DAG tags.
     :param description: free text shown in the DAG's documentation.
     """
@@ -60,7 +181,11 @@ class RetentionPolicy:
     retention: Retention
     condition: str | None = None
     tenant_column: str | None = None
+    chunk_by: str = "key"
     batch_size: int = 5000
+    target_batch_ms: int = 200
+    min_batch_size: int | None = None
+    max_batch_size: int | None = None
     chunk_rows: int = 250_000
     lock_timeout_ms: int = 5_000
     statement_timeout_ms: int = 60_000
@@ -70,6 +195,10 @@ class RetentionPolicy:
     schedule: str | None = "@daily"
     start_date: datetime = DEFAULT_START_DATE
     catchup: bool = False
+    throttle: Throttle = field(default_factory=Throttle)
+    vacuum_after_rows: int | None = None
+    ledger_keep_days: int = 180
+    queue: str | None = None
     pool: str | None = None
     max_active_chunks: int = 4
     retries: int = 3
@@ -112,7 +241,14 @@ class RetentionPolicy:
             ("retention", str(self.retention)),
             ("condition", f"`{self.condition}`" if self.condition else "none"),
             ("tenant column", f"`{self.tenant_column}`" if self.tenant_column else "none"),
+            ("chunks by", "key ranges" if self.chunk_by == "key" else "block ranges (physical order)"),
             ("batch size / chunk rows", f"{self.batch_size:,} / {self.chunk_rows:,}"),
+            (
+                "adaptive batches",
+                f"{self.min_batch_size:,}–{self.max_batch_size:,} rows, aiming at {self.target_batch_ms} ms"
+                if self.target_batch_ms
+                else "off",
+            ),
             ("lock / statement timeout", f"{self.lock_timeout_ms} ms / {self.statement_timeout_ms} ms"),
             ("archive table", f"`{self.archive_table}`" if self.archive_table else "none"),
             ("dry run", "yes" if self.dry_run else "no"),
@@ -139,12 +275,13 @@ _RENAMED = {
     "lock_timeout": "lock_timeout_ms",
     "statement_timeout": "statement_timeout_ms",
     "retry_delay": "retry_delay_ms",
+    "target_batch_time": "target_batch_ms",
 }
 _YAML_KEYS = ({f.name for f in dataclasses.fields(RetentionPolicy)} - set(_RENAMED.values())) | set(_RENAMED)
 
 
 def _validated(policy: RetentionPolicy) -> dict[str, Any]:
-    """Check every field; return the normalised values. Raises :class:`PolicyError` on the first problem."""
+    """Check every field; return the normalised values. Raises ``PolicyError`` on the first problem."""
     name = policy.name
     if not isinstance(name, str) or not _NAME.match(name):
         raise PolicyError(
@@ -175,10 +312,26 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
         raise fail("timestamp_column", "must be another column than key_column")
     if out.get("tenant_column") in (out["key_column"], out["timestamp_column"]):
         raise fail("tenant_column", "must be another column than key_column and timestamp_column")
+    if policy.chunk_by not in ("key", "block"):
+        raise fail("chunk_by", f"must be 'key' or 'block', got {policy.chunk_by!r}")
+    if policy.chunk_by == "block" and out.get("tenant_column"):
+        raise fail(
+            "chunk_by",
+            "'block' plans by physical position and cannot keep tenants apart: drop tenant_column or use 'key'",
+        )
     out["retention"] = convert("retention", Retention.parse, policy.retention)
     if policy.condition is not None:
         out["condition"] = convert("condition", check_condition, policy.condition)
     out["batch_size"] = _int_in_range(fail, "batch_size", policy.batch_size, MIN_BATCH_SIZE, MAX_BATCH_SIZE)
+    out["target_batch_ms"] = convert("target_batch_time", _ms_or_off, policy.target_batch_ms)
+    smallest = policy.min_batch_size
+    if smallest is None:
+        smallest = min(DEFAULT_MIN_BATCH_SIZE, out["batch_size"])
+    out["min_batch_size"] = _int_in_range(fail, "min_batch_size", smallest, MIN_BATCH_SIZE, out["batch_size"])
+    largest = policy.max_batch_size
+    if largest is None:
+        largest = max(DEFAULT_MAX_BATCH_SIZE, out["batch_size"])
+    out["max_batch_size"] = _int_in_range(fail, "max_batch_size", largest, out["batch_size"], MAX_BATCH_SIZE)
     out["chunk_rows"] = _int_in_range(fail, "chunk_rows", policy.chunk_rows, 1, MAX_CHUNK_ROWS)
     if out["chunk_rows"] < out["batch_size"]:
         raise fail("chunk_rows", f"must be at least batch_size ({out['batch_size']}), got {out['chunk_rows']}")
@@ -196,8 +349,14 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
     out["start_date"] = convert("start_date", _aware_datetime, policy.start_date)
     if not isinstance(policy.catchup, bool):
         raise fail("catchup", f"must be true or false, got {policy.catchup!r}")
-    if policy.pool is not None and (not isinstance(policy.pool, str) or not policy.pool.strip()):
-        raise fail("pool", "must be a pool name")
+    out["throttle"] = convert("throttle", Throttle.from_value, policy.throttle)
+    if policy.vacuum_after_rows is not None:
+        out["vacuum_after_rows"] = _int_in_range(fail, "vacuum_after_rows", policy.vacuum_after_rows, 1, 2**62)
+    out["ledger_keep_days"] = _int_in_range(fail, "ledger_keep_days", policy.ledger_keep_days, 35, 36_500)
+    for name_ in ("queue", "pool"):
+        value = getattr(policy, name_)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise fail(name_, f"must be a {name_} name")
     out["max_active_chunks"] = _int_in_range(fail, "max_active_chunks", policy.max_active_chunks, 1, 1024)
     out["retries"] = _int_in_range(fail, "retries", policy.retries, 0, 100)
     out["retry_delay_ms"] = convert("retry_delay", parse_timeout_ms, policy.retry_delay_ms)
@@ -206,6 +365,13 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
         raise fail("tags", "must be a list of strings")
     out["tags"] = tuple(tags)
     return out
+
+
+def _ms_or_off(value: object) -> int:
+    """A duration in ms, where 0 (or ``"0"``, ``"off"``) switches the feature off."""
+    if value in (0, "0", "off"):
+        return 0
+    return parse_timeout_ms(value)
 
 
 def _int_in_range(fail: Any, field_name: str, value: object, lo: int, hi: int) -> int:
@@ -284,7 +450,7 @@ def load_policies_lenient(path: str | Path) -> tuple[list[RetentionPolicy], list
     """Load a YAML policies file, keeping the good policies and the errors of the bad ones.
 
     The file holds ``policies:`` (a list of mappings) and an optional ``defaults:`` mapping merged under
-    each policy. A file that cannot be read at all raises :class:`PolicyError`.
+    each policy. A file that cannot be read at all raises ``PolicyError``.
     """
     import yaml
 
@@ -322,13 +488,15 @@ def load_policies_lenient(path: str | Path) -> tuple[list[RetentionPolicy], list
 
 
 def policy_to_dict(policy: RetentionPolicy) -> dict[str, Any]:
-    """The policy as a plain mapping that :meth:`RetentionPolicy.from_dict` reads back (a trigger's
+    """The policy as a plain mapping that ``RetentionPolicy.from_dict`` reads back (a trigger's
     serialised form, logs)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(policy):
         value = getattr(policy, f.name)
         if isinstance(value, (TableName, Retention)):
             value = str(value)
+        elif isinstance(value, Throttle):
+            value = value.to_dict()
         elif isinstance(value, datetime):
             value = value.isoformat()
         elif isinstance(value, tuple):

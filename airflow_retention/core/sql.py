@@ -10,25 +10,37 @@ from airflow_retention.core.catalog import TargetInfo
 from airflow_retention.core.identifiers import quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
-_KEY_ALIAS = "retention_key__"
+# The whole key space, for statements that are not limited to a chunk. Not -2**63: psycopg2 sends
+# -9223372036854775808::bigint, which overflows before the negation.
+MIN_KEY = -(2**63) + 1
+MAX_KEY = 2**63 - 1
 
 
-def eligibility(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool, null_tenants: bool = False) -> str:
-    """The predicate of an eligible row in the range ``[%(lo)s, %(hi)s)``, optionally of given tenants.
+def eligibility(
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    *,
+    tenant_filter: bool,
+    null_tenants: bool = False,
+    key_range: bool = True,
+) -> str:
+    """The predicate of an eligible row in the range ``[%(lo)s, %(hi)s)``, optionally of one tenant.
 
-    Parameters: ``lo``, ``hi`` (bigint), ``cutoff`` (timestamptz), ``tenants`` (text[]) when filtered.
+    Parameters: ``lo``, ``hi`` (bigint), ``cutoff`` (timestamptz), ``tenant`` (text) when filtered.
     A ``timestamp without time zone`` column is read as UTC. In a policy with a tenant column, a row
     whose tenant is NULL belongs to no tenant and is never eligible (``null_tenants`` lets the planner
-    count them, to warn).
+    count them, to warn). ``key_range=False`` leaves out the range (block chunks bound rows by ``ctid``).
     """
     key = quote_ident(policy.key_column)
     ts = quote_ident(policy.timestamp_column)
     cutoff = "%(cutoff)s::timestamptz" if target.timestamp_has_tz else "(%(cutoff)s::timestamptz AT TIME ZONE 'UTC')"
-    parts = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint", f"{ts} < {cutoff}"]
+    parts = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"] if key_range else []
+    parts.append(f"{ts} < {cutoff}")
     if tenant_filter:
         if policy.tenant_column is None or target.tenant_type is None:
             raise ValueError("a tenant filter needs a tenant column")
-        parts.append(f"{quote_ident(policy.tenant_column)} = ANY(%(tenants)s::text[]::{target.tenant_type}[])")
+        # One tenant at a time: "= value" lets the (tenant, key) index return keys in order.
+        parts.append(f"{quote_ident(policy.tenant_column)} = %(tenant)s::text::{target.tenant_type}")
     elif policy.tenant_column is not None and not null_tenants:
         parts.append(f"{quote_ident(policy.tenant_column)} IS NOT NULL")
     if policy.condition:
@@ -37,42 +49,69 @@ def eligibility(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: b
     return "\n  AND ".join(parts)
 
 
-def batch_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
-    """One batch: pick at most ``%(limit)s`` eligible keys from ``lo`` in key order, delete them while
-    re-checking the whole predicate (a row reopened since it was picked survives), optionally move them
-    to the archive table. Returns one row: keys picked, last key picked, rows deleted, rows archived.
+def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
+    """A batch's extent: the ``%(limit)s``-th key of the range from ``lo`` (of one tenant when filtered),
+    eligible or not, found by walking the key index (an index-only scan). No row means fewer keys were
+    left: the batch runs to the end of the range."""
+    table = policy.table.sql
+    key = quote_ident(policy.key_column)
+    walk = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"]
+    if tenant_filter:
+        if policy.tenant_column is None or target.tenant_type is None:
+            raise ValueError("a tenant filter needs a tenant column")
+        walk.append(f"{quote_ident(policy.tenant_column)} = %(tenant)s::text::{target.tenant_type}")
+    where = " AND ".join(walk)
+    return f"SELECT {key} FROM {table}\nWHERE {where}\nORDER BY {key}\nOFFSET %(limit)s::integer - 1 LIMIT 1"
 
-    With ``dry_run`` nothing is deleted: the statement only picks and counts.
+
+def batch_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
+    """One batch: a range ``DELETE`` of the eligible rows with keys in ``[lo, upper]`` (the extent found
+    by :func:`batch_walk_statement`), re-checking the whole predicate (a row reopened since planning
+    survives), optionally moving them to the archive table. A range delete reads each row once, in index
+    order, and the bounds travel as values so the server plans it for the range it really is.
+
+    With an archive table or ``dry_run`` it returns one row: rows deleted, rows archived, rows that
+    would be deleted (``dry_run``: nothing is deleted, the statement only counts); otherwise it is a
+    plain ``DELETE`` whose row count is the count.
     """
     table = policy.table.sql
     key = quote_ident(policy.key_column)
-    pred = eligibility(policy, target, tenant_filter=tenant_filter)
-    pick = (
-        f"WITH batch AS MATERIALIZED (\n"
-        f"  SELECT {key} AS {_KEY_ALIAS} FROM {table}\n  WHERE {pred}\n"
-        f"  ORDER BY {key}\n  LIMIT %(limit)s::integer\n)"
-    )
+    if policy.chunk_by == "block":
+        # A TID range scan: the batch reads its blocks in order, like a slice of a sequential scan.
+        pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+        in_batch = "ctid >= %(lo_tid)s::tid AND ctid < %(hi_tid)s::tid\n  AND " + pred
+    else:
+        in_batch = f"{key} <= %(upper)s::bigint\n  AND {eligibility(policy, target, tenant_filter=tenant_filter)}"
     if policy.dry_run:
-        return (
-            f"{pick}\nSELECT (SELECT count(*) FROM batch), (SELECT max({_KEY_ALIAS}) FROM batch), 0::bigint, 0::bigint"
-        )
-    delete = (
-        f",\ndeleted AS (\n  DELETE FROM {table}\n  WHERE {key} IN (SELECT {_KEY_ALIAS} FROM batch)\n  AND {pred}\n"
-    )
+        return f"SELECT 0::bigint, 0::bigint, (SELECT count(*) FROM {table} WHERE {in_batch})"
     if policy.archive_table is None:
-        return (
-            f"{pick}{delete}  RETURNING 1\n)\n"
-            f"SELECT (SELECT count(*) FROM batch), (SELECT max({_KEY_ALIAS}) FROM batch),"
-            " (SELECT count(*) FROM deleted), 0::bigint"
-        )
+        # A plain DELETE: the driver's rowcount is the count (a RETURNING CTE would materialise every row).
+        return f"DELETE FROM {table}\nWHERE {in_batch}"
     cols = ", ".join(quote_ident(c) for c in target.columns)
     return (
-        f"{pick}{delete}  RETURNING {cols}\n),\n"
+        f"WITH deleted AS (\n  DELETE FROM {table}\n  WHERE {in_batch}\n  RETURNING {cols}\n),\n"
         f"archived AS (\n  INSERT INTO {policy.archive_table.sql} ({cols})\n  SELECT {cols} FROM deleted\n"
         "  RETURNING 1\n)\n"
-        f"SELECT (SELECT count(*) FROM batch), (SELECT max({_KEY_ALIAS}) FROM batch),"
-        " (SELECT count(*) FROM deleted), (SELECT count(*) FROM archived)"
+        "SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM archived), 0::bigint"
     )
+
+
+def block_sample_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
+    """Eligible rows per block in a repeatable sample of ``%(percent)s`` % of the table's blocks: the block
+    planner's estimate of where the eligible rows are, without reading the table."""
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    return (
+        f"SELECT (ctid::text::point)[0]::bigint AS block, count(*) FROM {policy.table.sql}"
+        f" TABLESAMPLE SYSTEM (%(percent)s::float8) REPEATABLE (0)\nWHERE {pred}\nGROUP BY 1 ORDER BY 1"
+    )
+
+
+# The table's size in blocks now, the server's estimate of its rows (reltuples), the server's version.
+BLOCK_COUNT = (
+    "SELECT pg_relation_size(%(rel)s::regclass) / current_setting('block_size')::bigint,"
+    " (SELECT reltuples FROM pg_catalog.pg_class WHERE oid = %(rel)s::regclass)::float8,"
+    " current_setting('server_version_num')::integer"
+)
 
 
 def group_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
@@ -98,6 +137,18 @@ def boundary_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_fi
     key = quote_ident(policy.key_column)
     pred = eligibility(policy, target, tenant_filter=tenant_filter)
     return f"SELECT {key} FROM {table}\nWHERE {pred}\nORDER BY {key}\nOFFSET %(offset)s::bigint LIMIT 1"
+
+
+def leftover_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
+    """What a run left behind: the oldest eligible timestamp (an index walk on the timestamp) and how
+    many eligible rows remain, counted up to ``%(cap)s``. Parameters: ``cutoff``, ``lo``, ``hi``."""
+    table = policy.table.sql
+    ts = quote_ident(policy.timestamp_column)
+    pred = eligibility(policy, target, tenant_filter=False)
+    return (
+        f"SELECT (SELECT {ts} FROM {table} WHERE {pred} ORDER BY {ts} LIMIT 1),\n"
+        f"       (SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {pred} LIMIT %(cap)s::bigint) s)"
+    )
 
 
 def null_timestamps_statement(policy: RetentionPolicy) -> str:

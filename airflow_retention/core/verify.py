@@ -7,8 +7,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from airflow_retention.core import dbapi
+from airflow_retention.core.catalog import TargetInfo, inspect_target
+from airflow_retention.core.cutoff import as_utc
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.sql import MAX_KEY, MIN_KEY, leftover_statement
+
+# The missed-run report (verify task, CLI) looks back this far; ledger_keep_days keeps at least this much.
+MISSED_RUNS_WINDOW = timedelta(days=31)
+# Counting what is left stops here: the number is a signal, not an inventory.
+LEFTOVER_CAP = 100_000
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,84 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
         missing=missing,
         rows_deleted=sum(rows[k]["rows_deleted"] for k in complete),
     )
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a run left eligible before its cutoff: the cleanup lag, the SLO signal.
+
+    ``lag_seconds`` is how long before the cutoff the oldest row still eligible expired (0 when none
+    is left): how far the table is behind its policy at the end of the run.
+    """
+
+    oldest: datetime | None
+    count: int
+    lag_seconds: float
+
+    @property
+    def capped(self) -> bool:
+        return self.count >= LEFTOVER_CAP
+
+    def describe(self, cutoff: datetime) -> str:
+        if not self.count:
+            return "no eligible row left before the cutoff (cleanup lag 0 s)"
+        many = f"at least {LEFTOVER_CAP:,}" if self.capped else f"{self.count:,}"
+        return (
+            f"{many} eligible row(s) left before the cutoff {cutoff:%Y-%m-%d %H:%M:%S}Z, the oldest from"
+            f" {self.oldest}: cleanup lag {self.lag_seconds:,.0f} s"
+        )
+
+
+def measure_leftovers(
+    conn: Any,
+    policy: RetentionPolicy,
+    cutoff: datetime,
+    *,
+    ledger: Ledger | None = None,
+    run_key: str | None = None,
+    target: TargetInfo | None = None,
+) -> Leftovers:
+    """Find the oldest eligible row before ``cutoff`` and count those left (up to :data:`LEFTOVER_CAP`);
+    record them on the run's ledger row when ``ledger`` and ``run_key`` are given. Rows reopened or
+    inserted with old timestamps after planning show up here, as do chunks that left rows behind."""
+    cutoff = as_utc(cutoff)
+    dbapi.prepare(conn)
+    target = target or inspect_target(conn, policy)
+    with dbapi.transaction(conn) as cur:
+        dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
+        cur.execute(
+            leftover_statement(policy, target),
+            {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY, "cap": LEFTOVER_CAP},
+        )
+        oldest, count = cur.fetchone()
+    lag = 0.0
+    if oldest is not None:
+        aware = oldest if oldest.tzinfo else oldest.replace(tzinfo=timezone.utc)
+        lag = max(0.0, (cutoff - aware).total_seconds())
+    leftovers = Leftovers(oldest=oldest, count=int(count), lag_seconds=lag)
+    if ledger is not None and run_key is not None:
+        ledger.record_cleanup_lag(conn, run_key, oldest=oldest, left=leftovers.count, lag_seconds=lag)
+    return leftovers
+
+
+def vacuum_table(conn: Any, policy: RetentionPolicy) -> None:
+    """``VACUUM (ANALYZE)`` the policy's table: outside any transaction, so in autocommit for its
+    duration. Needs the table's ownership (PostgreSQL 15); without it PostgreSQL only warns."""
+    dbapi.prepare(conn)
+    conn.autocommit = True
+    try:
+        cur = dbapi.cursor(conn)
+        try:
+            cur.execute(f"VACUUM (ANALYZE) {policy.table.sql}")
+        finally:
+            cur.close()
+    except Exception as exc:
+        translated = dbapi.translate(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+    finally:
+        conn.autocommit = False
 
 
 _PRESETS = {

@@ -4,6 +4,12 @@ Metadata in a PostgreSQL database of its own, LocalExecutor (or CeleryExecutor),
 as the dags folder, and the real components as separate processes: api-server (on a free port),
 scheduler, dag-processor, triggerer. ``with Deployment(...) as d:`` starts them, waits for health and
 always stops them; a failed run's component logs are kept and their paths printed.
+
+With ``executor="CeleryExecutor"`` it also starts ``celery_workers`` Celery workers (``airflow celery
+worker``), each in a session of its own, with Redis as the broker (a database of its own on the Redis
+server, flushed at start and at stop) and the metadata database as the result backend. Each worker gets
+a hostname of its own (the TI's ``hostname``), as workers on separate machines would have, and
+:meth:`Deployment.kill_worker` SIGKILLs one worker with every process it started, as a machine crash would.
 """
 
 from __future__ import annotations
@@ -27,6 +33,63 @@ from airflow_retention.demo.airflow_home import airflow_environment
 from airflow_retention.demo.postgres import admin_execute
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+REDIS_URL = os.environ.get("RETENTION_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+# The Redis key that marks a Redis database as taken by a running Deployment (it expires if never released).
+REDIS_CLAIM = "airflow-retention:deployment"
+WORKER_NAME_ENV = "RETENTION_WORKER_HOSTNAME"
+
+
+def worker_hostname() -> str:
+    """``[core] hostname_callable`` of the harness's Celery workers: the worker's own name, so that the
+    task instances of two workers on this one machine record different hostnames."""
+    return os.environ.get(WORKER_NAME_ENV) or socket.getfqdn()
+
+
+def claim_redis_db(base_url: str = REDIS_URL, ttl: int = 3600) -> tuple[str, int]:
+    """A Redis database no other Deployment uses (15 down to 1), flushed: ``(url, db number)``."""
+    import redis
+
+    for db in range(15, 0, -1):
+        client = redis.Redis.from_url(f"{base_url}/{db}")
+        try:
+            if client.set(REDIS_CLAIM, os.getpid(), nx=True, ex=ttl):
+                client.flushdb()
+                client.set(REDIS_CLAIM, os.getpid(), ex=ttl)
+                return f"{base_url}/{db}", db
+        finally:
+            client.close()
+    raise RuntimeError(f"no free Redis database on {base_url}: every one holds the key {REDIS_CLAIM}")
+
+
+def release_redis_db(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every process of the session ``sid`` (a worker started with ``start_new_session``): the worker, its
+    pool children, their task supervisors and the task processes (which have process groups of their own)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after ")": state, ppid, pgrp, session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[3])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def free_port() -> int:
@@ -57,6 +120,9 @@ class Deployment:
     :param dags_folder: the dags folder, normally the project's ``dags/``.
     :param env: extra environment (``AIRFLOW_RETENTION_POLICIES``, executor settings, ...).
     :param executor: ``LocalExecutor`` or ``CeleryExecutor``.
+    :param celery_workers: with ``CeleryExecutor``: how many Celery workers to start.
+    :param celery_queues: the queues the workers consume (comma-separated), e.g. the policies' ``queue``.
+    :param celery_concurrency: task slots of each worker (``--concurrency``).
     """
 
     def __init__(
@@ -68,6 +134,9 @@ class Deployment:
         env: Mapping[str, str] | None = None,
         executor: str = "LocalExecutor",
         components: tuple[str, ...] = COMPONENTS,
+        celery_workers: int = 2,
+        celery_queues: str = "default",
+        celery_concurrency: int = 2,
     ) -> None:
         self.server_dsn = server_dsn
         self.target_dsn = target_dsn
@@ -82,6 +151,15 @@ class Deployment:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.failed = False
         self._token: str | None = None
+        self.celery = executor == "CeleryExecutor"
+        self.celery_workers = celery_workers if self.celery else 0
+        self.celery_queues = celery_queues
+        self.celery_concurrency = celery_concurrency
+        # Celery workers by name ("<prefix>-w1", ...): kept apart from ``processes`` since one may be killed.
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.killed_workers: set[str] = set()
+        self.worker_prefix = f"retention-{uuid.uuid4().hex[:6]}"
+        self.broker_url: str | None = None
         self.env = self._environment()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -113,8 +191,27 @@ class Deployment:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.celery:
+            metadata = sqlalchemy_url(make_dsn(self.server_dsn, dbname=self.metadata_db))
+            env.update(
+                {
+                    # The broker URL is set in start(), once a Redis database has been claimed.
+                    "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{metadata}",
+                    "AIRFLOW__CELERY__WORKER_CONCURRENCY": str(self.celery_concurrency),
+                    "AIRFLOW__CELERY__SYNC_PARALLELISM": "1",
+                }
+            )
         env.update(self.extra_env)
         return env
+
+    def worker_env(self, name: str) -> dict[str, str]:
+        """A worker's environment: its own hostname and its own log server port (one machine, many workers)."""
+        return {
+            **self.env,
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": f"{__name__}.worker_hostname",
+            WORKER_NAME_ENV: name,
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+        }
 
     def airflow(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         """Run an ``airflow`` CLI command in this deployment's environment."""
@@ -122,6 +219,9 @@ class Deployment:
         return subprocess.run([exe, *args], env=self.env, check=check, capture_output=True, text=True, timeout=timeout)
 
     def start(self, health_timeout: float = 180) -> Deployment:
+        if self.celery and "AIRFLOW__CELERY__BROKER_URL" not in self.extra_env:
+            self.broker_url, _ = claim_redis_db()
+            self.env["AIRFLOW__CELERY__BROKER_URL"] = self.broker_url
         admin_execute(self.server_dsn, f'CREATE DATABASE "{self.metadata_db}"')
         self.airflow("db", "migrate")
         exe = str(Path(sys.executable).with_name("airflow"))
@@ -131,8 +231,57 @@ class Deployment:
             self.processes[component] = subprocess.Popen(
                 args, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
+        for n in range(1, self.celery_workers + 1):
+            self.start_worker(f"{self.worker_prefix}-w{n}")
         self.wait_healthy(health_timeout)
+        for name in self.workers:
+            self.wait_worker_ready(name, health_timeout)
         return self
+
+    # -- Celery workers ------------------------------------------------------------------------------
+
+    def start_worker(self, name: str) -> subprocess.Popen[bytes]:
+        """``airflow celery worker`` named ``name`` (Celery hostname ``celery@name``, TI hostname ``name``)
+        on ``celery_queues``, in a session of its own."""
+        exe = str(Path(sys.executable).with_name("airflow"))
+        log = (self.home / f"{name}.log").open("wb")
+        args = [
+            exe, "celery", "worker",
+            "--queues", self.celery_queues,
+            "--concurrency", str(self.celery_concurrency),
+            "--celery-hostname", name,
+            "--pid", str(self.home / f"{name}.pid"),  # the default pid file is one per AIRFLOW_HOME
+        ]  # fmt: skip
+        self.workers[name] = subprocess.Popen(
+            args, env=self.worker_env(name), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return self.workers[name]
+
+    def wait_worker_ready(self, name: str, timeout: float = 120) -> None:
+        """Until the worker has connected to the broker and listens on its queues (Celery logs "ready")."""
+        log = self.home / f"{name}.log"
+        self.wait_until(lambda: f"celery@{name} ready" in log.read_text(errors="replace"), timeout, f"{name} ready")
+
+    def worker_of(self, pid: int) -> str | None:
+        """The name of the Celery worker that ``pid`` (a task process, say) belongs to, while it runs."""
+        sid = session_of(pid)
+        return next((name for name, proc in self.workers.items() if proc.pid == sid), None)
+
+    def kill_worker(self, name: str, timeout: float = 30) -> list[int]:
+        """SIGKILL the worker ``name`` and every process of its session: the Celery parent, its pool children,
+        the task supervisors and the task processes (each task process has a process group of its own, so
+        the worker's process group alone would miss them). Nothing gets to report anything. Returns the pids."""
+        proc = self.workers[name]
+        self.killed_workers.add(name)
+        pids = session_pids(proc.pid)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=timeout)
+        self.wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), timeout, f"{name} to die")
+        return pids
 
     def wait_healthy(self, timeout: float) -> None:
         import requests
@@ -156,20 +305,22 @@ class Deployment:
         raise TimeoutError(f"Airflow not healthy after {timeout:.0f}s: {last}; logs in {self.home}")
 
     def _check_alive(self) -> None:
-        for name, proc in self.processes.items():
+        alive = {**self.processes, **{n: p for n, p in self.workers.items() if n not in self.killed_workers}}
+        for name, proc in alive.items():
             if proc.poll() is not None:
                 self.failed = True
                 raise RuntimeError(f"{name} exited with {proc.returncode}; log: {self.home / (name + '.log')}")
 
     def stop(self) -> None:
-        for proc in self.processes.values():
+        everything = [*self.workers.values(), *self.processes.values()]
+        for proc in everything:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
         deadline = time.monotonic() + 20
-        for proc in self.processes.values():
+        for proc in everything:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -181,6 +332,8 @@ class Deployment:
                     pass
                 proc.wait(timeout=10)
         self._kill_leftovers()
+        if self.broker_url:
+            release_redis_db(self.broker_url)
         admin_execute(self.server_dsn, f'DROP DATABASE IF EXISTS "{self.metadata_db}" WITH (FORCE)')
         if self.failed:
             print(f"\nAirflow component logs kept in {self.home}", file=sys.stderr)

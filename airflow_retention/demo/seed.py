@@ -11,9 +11,8 @@ from typing import Any
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import inspect_target
 from airflow_retention.core.identifiers import quote_ident
-from airflow_retention.core.planner import MAX_KEY, MIN_KEY
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import eligibility
+from airflow_retention.core.sql import MAX_KEY, MIN_KEY, eligibility
 
 SCHEMA_SQL = """
 DROP TABLE IF EXISTS public.webhook_deliveries, public.tenant_events;

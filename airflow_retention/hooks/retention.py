@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 
-from airflow_retention.core.engine import ChunkResult, run_chunk
+from airflow_retention.core.engine import BatchReport, ChunkResult, run_chunk
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
 from airflow_retention.core.planner import Plan, plan_run
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import Verification, verify_run
+from airflow_retention.core.verify import Leftovers, Verification, measure_leftovers, vacuum_table, verify_run
 
 
 class RetentionHook(PostgresHook):
@@ -45,9 +45,17 @@ class RetentionHook(PostgresHook):
         with self.open_connection() as conn:
             return plan_run(conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by)
 
-    def run_chunk(self, cutoff: datetime, chunk: ChunkSpec, attempt: Attempt, *, lone: bool = False) -> ChunkResult:
+    def run_chunk(
+        self,
+        cutoff: datetime,
+        chunk: ChunkSpec,
+        attempt: Attempt,
+        *,
+        lone: bool = False,
+        on_batch: Callable[[BatchReport], None] | None = None,
+    ) -> ChunkResult:
         with self.open_connection() as conn:
-            return run_chunk(conn, self.policy, cutoff, chunk, attempt=attempt, lone=lone)
+            return run_chunk(conn, self.policy, cutoff, chunk, attempt=attempt, lone=lone, on_batch=on_batch)
 
     def verify(self, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
         with self.open_connection() as conn:
@@ -56,6 +64,19 @@ class RetentionHook(PostgresHook):
     def complete_run(self, run_key: str, verified_by: str | None) -> dict[str, Any]:
         with self.open_connection() as conn:
             return self.ledger.complete_run(conn, run_key, verified_by)
+
+    def measure_leftovers(self, run_key: str, cutoff: datetime) -> Leftovers:
+        with self.open_connection() as conn:
+            return measure_leftovers(conn, self.policy, cutoff, ledger=self.ledger, run_key=run_key)
+
+    def vacuum(self, run_key: str) -> None:
+        with self.open_connection() as conn:
+            vacuum_table(conn, self.policy)
+            self.ledger.record_vacuum(conn, run_key)
+
+    def get_run(self, run_key: str) -> dict[str, Any] | None:
+        with self.open_connection() as conn:
+            return self.ledger.get_run(conn, run_key)
 
     def ensure_ledger(self) -> int:
         with self.open_connection() as conn:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowFailException
 
+from airflow_retention import metrics
 from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
 from airflow_retention.core.engine import default_host
 from airflow_retention.core.errors import PermanentError, PolicyError
@@ -39,6 +40,8 @@ def cutoff_from_context(policy: RetentionPolicy, context: Context) -> datetime:
 
 
 def attempt_from_context(context: Context) -> Attempt:
+    """Who runs this try: recorded in the ledger as ``<Airflow's hostname for the TI>:<pid>`` (Airflow's
+    ``[core] hostname_callable`` names Celery workers apart even on one machine)."""
     ti = context["ti"]
     map_index = getattr(ti, "map_index", None)
     return Attempt(
@@ -46,7 +49,7 @@ def attempt_from_context(context: Context) -> Attempt:
         run_id=ti.run_id,
         map_index=map_index if map_index is not None and map_index >= 0 else None,
         try_number=getattr(ti, "try_number", None),
-        host=default_host(),
+        host=default_host(getattr(ti, "hostname", None)),
     )
 
 
@@ -60,7 +63,7 @@ class RetentionPlanOperator(BaseOperator):
 
     Returns the plan as a list of keyword-argument dicts for
     ``RetentionChunkOperator.partial(...).expand_kwargs(...)`` and pushes a small run summary under the
-    XCom key ``run`` for :class:`~airflow_retention.sensors.retention.RetentionCompleteSensor`. A cleared
+    XCom key ``run`` for ``RetentionCompleteSensor``. A cleared
     or retried planner of the same run returns the plan stored in the ledger.
 
     :param policy: the retention policy.
@@ -129,8 +132,8 @@ class RetentionChunkOperator(BaseOperator):
     :param cutoff: the run's frozen cutoff (ISO 8601); default: frozen from this run's date.
     :param chunk_key: the chunk's identity in the ledger; default derived from tenants and range.
     :param rows_planned: eligible rows at planning time, for the logs.
-    :param from_plan: the chunk comes from a :class:`RetentionPlanOperator` (as in
-        :func:`~airflow_retention.dag_factory.retention_task_group`): it must be in the ledger's plan.
+    :param from_plan: the chunk comes from a ``RetentionPlanOperator`` (as in
+        ``retention_task_group``): it must be in the ledger's plan.
         Left False, the chunk is a lone one with a ledger run of its own (``<run key>#lone``).
     """
 
@@ -192,7 +195,7 @@ class RetentionChunkOperator(BaseOperator):
         try:
             cutoff = parse_cutoff(self.cutoff) if self.cutoff else cutoff_from_context(self.policy, context)
             self.log.info(
-                "policy %s: chunk %s (%s), cutoff %s, batch size %d%s",
+                "policy %s: chunk %s (%s), cutoff %s, first batch size %d%s",
                 self.policy.name,
                 chunk.key,
                 chunk.label(),
@@ -200,20 +203,82 @@ class RetentionChunkOperator(BaseOperator):
                 self.policy.batch_size,
                 f", {chunk.rows_planned} row(s) eligible at planning" if chunk.rows_planned is not None else "",
             )
-            result = self.hook.run_chunk(cutoff, chunk, attempt_from_context(context), lone=not self.from_plan)
+            attempt = attempt_from_context(context)
+            if attempt.try_number and attempt.try_number > 1:
+                metrics.chunk_retried(self.policy)
+            result = self.hook.run_chunk(
+                cutoff,
+                chunk,
+                attempt,
+                lone=not self.from_plan,
+                on_batch=lambda report: metrics.batch(self.policy, report),
+            )
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc
+        if not result.already_complete:
+            metrics.chunk_done(self.policy, result.seconds)
         summary = result.summary()
         if result.already_complete:
             self.log.info("chunk %s: already complete in the ledger; nothing deleted", chunk.key)
         else:
             self.log.info(
-                "chunk %s: %s %d row(s) in %d batch(es), %.2f s%s",
+                "chunk %s: %s %d row(s) in %d batch(es), %.2f s, last batch size %s%s%s",
                 chunk.key,
                 "would delete" if self.policy.dry_run else "deleted",
                 result.rows_matched if self.policy.dry_run else result.rows_deleted,
                 result.batches,
                 result.seconds,
+                result.last_batch_size,
                 f", resumed from id {result.resumed_from}" if result.resumed_from is not None else "",
+                f", paused {result.backoffs} time(s) for {result.backoff_seconds:.1f} s under database pressure"
+                if result.backoffs
+                else "",
             )
         return summary
+
+
+class RetentionVacuumOperator(BaseOperator):
+    """``VACUUM (ANALYZE)`` the policy's table after a run that deleted at least ``vacuum_after_rows``
+    rows, so the space of the deleted rows is reusable and the planner's statistics are fresh. Runs
+    outside any transaction; skipped (logged) for smaller runs and dry runs.
+
+    :param policy: the retention policy (its ``vacuum_after_rows`` is the threshold).
+    :param plan_task_id: task id of the planner whose ``run`` XCom names the run.
+    """
+
+    template_fields: Sequence[str] = ()
+    ui_color = "#fef7e0"
+
+    def __init__(self, *, policy: RetentionPolicy, plan_task_id: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.policy = policy
+        self.plan_task_id = plan_task_id
+
+    @cached_property
+    def hook(self) -> RetentionHook:
+        return RetentionHook(policy=self.policy)
+
+    def execute(self, context: Context) -> dict[str, Any]:
+        info = context["ti"].xcom_pull(task_ids=self.plan_task_id, key=RUN_XCOM_KEY) or {}
+        run_key = info.get("run_key")
+        run = self.hook.get_run(run_key) if run_key else None
+        if run is None:
+            raise AirflowFailException(f"policy {self.policy.name}: no run to vacuum after (plan XCom {info!r})")
+        deleted = int(run["rows_deleted"] or 0)
+        threshold = self.policy.vacuum_after_rows
+        if run["vacuumed_at"] is not None:
+            self.log.info(
+                "run %s: the table was vacuumed after it at %s; no second VACUUM", run_key, run["vacuumed_at"]
+            )
+            return {"vacuumed": False, "rows_deleted": deleted}
+        if self.policy.dry_run or threshold is None or deleted < threshold:
+            self.log.info(
+                "run %s deleted %d row(s), below vacuum_after_rows %s: no VACUUM", run_key, deleted, threshold
+            )
+            return {"vacuumed": False, "rows_deleted": deleted}
+        self.log.info("run %s deleted %d row(s): VACUUM (ANALYZE) %s", run_key, deleted, self.policy.table)
+        try:
+            self.hook.vacuum(run_key)
+        except (PermanentError, PolicyError) as exc:
+            raise fail_fast(exc) from exc
+        return {"vacuumed": True, "rows_deleted": deleted}

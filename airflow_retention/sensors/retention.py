@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
 
+from airflow_retention import metrics
+from airflow_retention.core.cutoff import parse_cutoff
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
-from airflow_retention.core.verify import missed_runs
+from airflow_retention.core.verify import MISSED_RUNS_WINDOW, missed_runs
 from airflow_retention.hooks.retention import RetentionHook
 from airflow_retention.operators.retention import RUN_XCOM_KEY, anchor_from_context, attempt_from_context
 from airflow_retention.triggers.retention import RetentionCompleteTrigger
@@ -19,7 +21,6 @@ from airflow_retention.triggers.retention import RetentionCompleteTrigger
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-MISSED_RUNS_WINDOW = timedelta(days=31)
 MISSED_RUNS_SHOWN = 5
 # Task states after which a chunk task will not write to the ledger again (unless a person clears it).
 _FINISHED = {"success", "failed", "skipped", "upstream_failed", "removed"}
@@ -127,6 +128,7 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 "would be deleted (dry run)" if self.policy.dry_run else "deleted",
                 duration,
             )
+            self._report_leftovers(context, run_key)
             self._report_missed_runs(context)
             return True
         self.log.info("%s", verification.describe())
@@ -136,6 +138,27 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 " Clear the failed chunk task(s) (with downstream) to retry them."
             )
         return False
+
+    def _report_leftovers(self, context: Context, run_key: str) -> None:
+        """Measure the cleanup lag (the oldest eligible row left before the cutoff), store it on the run's
+        ledger row and send it as a metric; a run that leaves eligible rows behind says so."""
+        info = self.run_info or context["ti"].xcom_pull(task_ids=self.plan_task_id, key=RUN_XCOM_KEY) or {}
+        try:
+            cutoff = parse_cutoff(info["cutoff"])
+            leftovers = self.hook.measure_leftovers(run_key, cutoff)
+        except Exception:
+            self.log.warning("could not measure the cleanup lag of run %s", run_key, exc_info=True)
+            return
+        metrics.cleanup_lag(self.policy, leftovers.lag_seconds, leftovers.count)
+        if leftovers.count and not self.policy.dry_run:
+            self.log.warning(
+                "run %s: %s. Rows inserted or reopened with old timestamps after planning, or rows of chunks"
+                " that failed, are left; the next run picks them up",
+                run_key,
+                leftovers.describe(cutoff),
+            )
+        else:
+            self.log.info("run %s: %s", run_key, leftovers.describe(cutoff))
 
     def _report_missed_runs(self, context: Context) -> None:
         """Say in words which scheduled runs of the last 31 days never completed: days missed while the

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -110,8 +111,8 @@ def fill_events(
     rows(admin, f"ANALYZE {table_sql}")
 
 
-def make_policy(schema: str, **overrides: Any) -> RetentionPolicy:
-    """A policy on ``schema.events`` with its ledger in ``<schema>_ledger``, built as YAML would be."""
+def policy_data(schema: str, **overrides: Any) -> dict[str, Any]:
+    """The YAML form of a policy on ``schema.events`` with its ledger in ``<schema>_ledger``."""
     data: dict[str, Any] = {
         "name": "events_purge",
         "conn_id": "retention_target",
@@ -121,13 +122,19 @@ def make_policy(schema: str, **overrides: Any) -> RetentionPolicy:
         "retention": "30 days",
         "condition": CONDITION,
         "batch_size": 100,
+        "target_batch_time": 0,  # fixed batches: tests count them (tests/core/test_pacing.py adapts)
         "chunk_rows": 100_000,
         "lock_timeout": "5s",
         "statement_timeout": "60s",
         "ledger_schema": f"{schema}_ledger",
     }
     data.update(overrides)
-    return RetentionPolicy.from_dict(data)
+    return data
+
+
+def make_policy(schema: str, **overrides: Any) -> RetentionPolicy:
+    """A policy on ``schema.events`` with its ledger in ``<schema>_ledger``, built as YAML would be."""
+    return RetentionPolicy.from_dict(policy_data(schema, **overrides))
 
 
 def ids(admin: Any, table_sql: str, where: str = "true", params: Mapping[str, Any] | None = None) -> set[int]:
@@ -144,6 +151,65 @@ def eligible_ids(admin: Any, table_sql: str, cutoff: datetime = CUTOFF, extra: s
             admin, f"SELECT id FROM {table_sql} WHERE {ELIGIBLE} AND ({extra}) ORDER BY id", {"cutoff": cutoff}
         )
     ]
+
+
+@dataclass(frozen=True)
+class ExpectedBatch:
+    """One batch as the engine must cut it: ``keys`` are the next ``n`` keys of the range (of ``tenant``),
+    eligible or not; ``eligible`` the ones it deletes; ``lo``/``hi`` what its report says."""
+
+    tenant: str | None
+    lo: int
+    hi: int
+    keys: tuple[int, ...]
+    eligible: tuple[int, ...]
+
+
+def expected_batches(
+    admin: Any,
+    table_sql: str,
+    lo: int,
+    hi: int,
+    n: int,
+    *,
+    tenants: Sequence[str] | None = None,
+    cutoff: datetime = CUTOFF,
+    tenant_column: str = "tenant_id",
+) -> list[ExpectedBatch]:
+    """The batches of a chunk [lo, hi) at a fixed batch size ``n``, computed with the tests' own SQL and
+    a plain loop: all keys of the range (one tenant at a time when ``tenants`` is given) in order, cut
+    into groups of ``n``; a group of ``n`` keys ending before ``hi - 1`` is followed by another batch
+    (possibly empty), a shorter group ends the tenant. Call it before the purge changes the table."""
+    batches: list[ExpectedBatch] = []
+    for tenant in tenants if tenants is not None else [None]:
+        where = "id >= %(lo)s AND id < %(hi)s"
+        if tenant is not None:
+            where += f' AND "{tenant_column}"::text = %(t)s'
+        found = rows(
+            admin,
+            f"SELECT id, coalesce({ELIGIBLE}, false) FROM {table_sql} WHERE {where} ORDER BY id",
+            {"lo": lo, "hi": hi, "t": tenant, "cutoff": cutoff},
+        )
+        start = 0
+        next_key = lo
+        while True:
+            group = found[start : start + n]
+            full = len(group) == n and group[-1][0] + 1 < hi
+            end = group[-1][0] + 1 if full else hi
+            batches.append(
+                ExpectedBatch(
+                    tenant=tenant,
+                    lo=next_key,
+                    hi=end,
+                    keys=tuple(k for k, _ in group),
+                    eligible=tuple(k for k, e in group if e),
+                )
+            )
+            if not full:
+                break
+            start += n
+            next_key = end
+    return batches
 
 
 def ledger_chunks(admin: Any, ledger_schema: str, run_key: str) -> list[dict[str, Any]]:

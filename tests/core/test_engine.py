@@ -28,6 +28,7 @@ from .helpers import (
     ELIGIBLE,
     create_events,
     eligible_ids,
+    expected_batches,
     fill_events,
     ids,
     ledger_chunk,
@@ -110,6 +111,10 @@ def test_full_purge_of_a_large_multi_tenant_table(schema: str, conn: Any, admin:
         status="'closed'",
     )
 
+    # Each chunk's batches, cut from the keys of its range by the tests' own SQL before anything is deleted.
+    planned_batches = {
+        c.key: expected_batches(admin, table, c.lo, c.hi, policy.batch_size, tenants=c.tenants) for c in plan.chunks
+    }
     results: list[ChunkResult] = []
     for chunk in plan.chunks:
         results.append(run_chunk(conn, policy, CUTOFF, chunk, attempt=Attempt("dag", "run", chunk.seq, 1, "host")))
@@ -144,12 +149,17 @@ def test_full_purge_of_a_large_multi_tenant_table(schema: str, conn: Any, admin:
     assert [c["rows_deleted"] for c in chunks] == [r.rows_deleted for r in results]
     assert sum(c["rows_deleted"] for c in chunks) == expected
     assert all(c["batches"] == r.batches for c, r in zip(chunks, results, strict=True))
-    for chunk, result in zip(plan.chunks, results, strict=True):  # bounded batches, all full but the last
-        assert chunk.rows_planned is not None
-        full = -(-chunk.rows_planned // 2000)
-        assert full <= result.batches <= full + 1
-        assert all(b.picked == b.deleted == 2000 for b in result.batch_log[:-1])
+    for chunk, result in zip(plan.chunks, results, strict=True):  # bounded batches: 2000 keys each
+        batches = planned_batches[chunk.key]
+        for tenant in chunk.tenants or (None,):  # every batch of a tenant full but its last
+            sizes = [len(b.keys) for b in batches if b.tenant == tenant]
+            assert set(sizes[:-1]) <= {2000} and sizes[-1] <= 2000
+        assert [(b.tenant, b.lo, b.hi, b.size, b.deleted) for b in result.batch_log] == [
+            (b.tenant, b.lo, b.hi, 2000, len(b.eligible)) for b in batches
+        ]
+        assert sum(len(b.eligible) for b in batches) == chunk.rows_planned
         assert result.batch_log[-1].hi == chunk.hi
+        assert all(0 < b.deleted < 2000 for b in result.batch_log[:-1])  # sparse: fewer rows than keys
     ledger = Ledger(policy.ledger_schema)
     assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok
     run = ledger.complete_run(conn, plan.run_key, "test")
@@ -216,6 +226,8 @@ def test_killed_process_resumes_after_its_last_committed_batch(
     plan = plan_run(conn, policy, CUTOFF)
     (chunk,) = plan.chunks
     eligible = eligible_ids(admin, table)
+    planned = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size)
+    assert len(planned) >= 4
     total = scalar(admin, f"SELECT count(*) FROM {table}")
     app = f"retention-kill-{schema}"
     args = {
@@ -252,11 +264,15 @@ def test_killed_process_resumes_after_its_last_committed_batch(
     assert state == "running"
     assert chunk.lo < next_key < chunk.hi
     assert batches >= 2
-    assert deleted == total - scalar(admin, f"SELECT count(*) FROM {table}") == batches * policy.batch_size
+    assert batches < len(planned)
+    # The ledger stopped exactly after its last committed batch: the first `batches` batches are gone.
+    assert next_key == planned[batches - 1].hi
+    assert deleted == total - scalar(admin, f"SELECT count(*) FROM {table}")
+    assert deleted == sum(len(b.eligible) for b in planned[:batches])
     # Exactly the eligible rows below next_key are gone; everything from next_key on is intact.
     remaining = eligible_ids(admin, table)
     assert remaining == [i for i in eligible if i >= next_key]
-    assert next_key == eligible[deleted - 1] + 1
+    assert remaining == [i for b in planned[batches:] for i in b.eligible]
 
     result = run_chunk(conn, policy, CUTOFF, chunk, attempt=Attempt("dag", "run", 0, 2, "retry"))
     assert result.resumed_from == next_key
@@ -386,12 +402,13 @@ def test_lock_timeout_is_retryable_and_keeps_progress(schema: str, conn: Any, ad
     chunk = one_chunk(conn, policy)
     key = plan_run(conn, policy, CUTOFF).run_key
     eligible = eligible_ids(admin, table)
-    size = policy.batch_size
-    second_batch = eligible[size : 2 * size]
+    first, second = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size)[:2]
+    assert len(first.eligible) > 0 and len(second.eligible) > 5
+    done = len(first.eligible)
     holder = connect(driver)
     try:
         with holder.cursor() as cur:  # an open transaction holding a row of the second batch
-            cur.execute(f"SELECT id FROM {table} WHERE id = %(i)s FOR UPDATE", {"i": second_batch[5]})
+            cur.execute(f"SELECT id FROM {table} WHERE id = %(i)s FOR UPDATE", {"i": second.eligible[5]})
         started = time.monotonic()
         with pytest.raises(RetryableError) as info:
             run_chunk(conn, policy, CUTOFF, chunk)
@@ -399,15 +416,15 @@ def test_lock_timeout_is_retryable_and_keeps_progress(schema: str, conn: Any, ad
         assert info.value.sqlstate == "55P03"
         assert "lock timeout" in str(info.value)
         # The first batch committed; none of the second batch is gone; the ledger shows exactly that.
-        assert eligible_ids(admin, table) == eligible[size:]
-        assert progress(admin, policy, key, chunk) == ("running", eligible[size - 1] + 1, size, 1, 1)
+        assert eligible_ids(admin, table) == eligible[done:]
+        assert progress(admin, policy, key, chunk) == ("running", first.hi, done, 1, 1)
         assert "55P03" in ledger_chunk(admin, policy.ledger_schema, key, chunk.key)["last_error"]
     finally:
         holder.rollback()
         holder.close()
     result = run_chunk(conn, policy, CUTOFF, chunk)
-    assert result.resumed_from == eligible[size - 1] + 1
-    assert result.rows_deleted == len(eligible) - size
+    assert result.resumed_from == first.hi
+    assert result.rows_deleted == len(eligible) - done
     assert eligible_ids(admin, table) == []
     final = ledger_chunk(admin, policy.ledger_schema, key, chunk.key)
     assert (final["state"], final["rows_deleted"], final["last_error"]) == ("complete", len(eligible), None)
@@ -500,6 +517,8 @@ def test_ledger_row_locked_between_batches_fails_fast(schema: str, conn: Any, ad
     plan = plan_run(conn, policy, CUTOFF)
     (chunk,) = plan.chunks
     eligible = eligible_ids(admin, table)
+    first = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size)[0]
+    assert len(first.eligible) > 0
     holder = connect(driver)
 
     def lock_after_first(report: BatchReport) -> None:
@@ -515,9 +534,8 @@ def test_ledger_row_locked_between_batches_fails_fast(schema: str, conn: Any, ad
     assert isinstance(error, RetryableError)
     assert error.sqlstate == "55P03"
     assert seconds < 2, f"run_chunk took {seconds:.1f}s to report a 200ms lock timeout"
-    size = policy.batch_size
-    assert eligible_ids(admin, table) == eligible[size:]
-    assert progress(admin, policy, plan.run_key, chunk)[1:4] == (eligible[size - 1] + 1, size, 1)
+    assert eligible_ids(admin, table) == eligible[len(first.eligible) :]
+    assert progress(admin, policy, plan.run_key, chunk)[1:4] == (first.hi, len(first.eligible), 1)
 
 
 def test_timeouts_are_set_per_transaction(schema: str, conn: Any, admin: Any) -> None:
@@ -739,3 +757,105 @@ def test_condition_never_makes_fresh_rows_eligible(schema: str, conn: Any, admin
     for chunk in plan_run(conn, policy, CUTOFF).chunks:
         run_chunk(conn, policy, CUTOFF, chunk)
     assert ids(admin, table, "created_at >= %(cutoff)s") == fresh, "rows newer than the cutoff were deleted"
+
+
+# -- packed chunks of small tenants -------------------------------------------------------------------
+
+
+def packed_table(admin: Any, schema: str) -> tuple[str, RetentionPolicy]:
+    """Tenants 1..5 (about 400 rows each) interleaved with a big tenant 100 (4000 rows) over one key range;
+    the small tenants share one planned chunk, the big one has chunks of its own."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 6000, tenant="CASE WHEN mod(g, 3) = 0 THEN 1 + mod(g / 3, 5) ELSE 100 END")
+    policy = make_policy(schema, tenant_column="tenant_id", batch_size=50, chunk_rows=1500)
+    return table, policy
+
+
+def _packed_chunk(conn: Any, policy: RetentionPolicy) -> tuple[Any, ChunkSpec]:
+    plan = plan_run(conn, policy, CUTOFF)
+    (packed,) = [c for c in plan.chunks if c.tenants is not None and len(c.tenants) > 1]
+    assert sorted(packed.tenants or ()) == ["1", "2", "3", "4", "5"]
+    assert any(c.tenants == ("100",) for c in plan.chunks)
+    return plan, packed
+
+
+def test_packed_chunk_walks_its_tenants_one_at_a_time(schema: str, conn: Any, admin: Any) -> None:
+    table, policy = packed_table(admin, schema)
+    plan, chunk = _packed_chunk(conn, policy)
+    tenants = list(chunk.tenants or ())
+    in_range = f"id >= {chunk.lo} AND id < {chunk.hi}"
+    mine = set(eligible_ids(admin, table, extra=f"tenant_id IN ({', '.join(tenants)})"))
+    others_before = ids(admin, table, f"tenant_id = 100 AND {in_range}")
+    assert set(eligible_ids(admin, table, extra=f"tenant_id = 100 AND {in_range}"))  # they interleave
+    planned = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size, tenants=tenants)
+    positions: list[tuple[int, int]] = []
+
+    def watch(report: BatchReport) -> None:
+        row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+        positions.append((row["tenant_pos"], row["next_key"]))
+
+    before = ids(admin, table)
+    result = run_chunk(conn, policy, CUTOFF, chunk, on_batch=watch)
+    assert before - ids(admin, table) == mine
+    assert ids(admin, table, f"tenant_id = 100 AND {in_range}") == others_before
+    assert result.rows_deleted == len(mine) == chunk.rows_planned
+    assert [(b.tenant, b.lo, b.hi, b.deleted) for b in result.batch_log] == [
+        (b.tenant, b.lo, b.hi, len(b.eligible)) for b in planned
+    ]
+    assert all(len(b.keys) <= policy.batch_size for b in planned)
+    # The ledger's position: each tenant in turn, from chunk.lo again for the next one.
+    expected_positions = []
+    for i, b in enumerate(planned):
+        last_of_tenant = i + 1 == len(planned) or planned[i + 1].tenant != b.tenant
+        if not last_of_tenant:
+            expected_positions.append((tenants.index(b.tenant), b.hi))
+        elif i + 1 < len(planned):
+            expected_positions.append((tenants.index(b.tenant) + 1, chunk.lo))
+        else:
+            expected_positions.append((len(tenants) - 1, chunk.hi))
+    assert positions == expected_positions
+    assert [p for p, _ in positions] == sorted(p for p, _ in positions)
+    assert {p for p, _ in positions} == set(range(len(tenants)))
+    final = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+    assert (final["state"], final["rows_deleted"], final["batches"]) == ("complete", len(mine), len(planned))
+
+
+@pytest.mark.parametrize("stop", ["inside the second tenant", "between tenants"])
+def test_packed_chunk_killed_mid_tenant_resumes_there(schema: str, conn: Any, admin: Any, stop: str) -> None:
+    table, policy = packed_table(admin, schema)
+    plan, chunk = _packed_chunk(conn, policy)
+    tenants = list(chunk.tenants or ())
+    mine = eligible_ids(admin, table, extra=f"tenant_id IN ({', '.join(tenants)})")
+    total = scalar(admin, f"SELECT count(*) FROM {table}")
+    planned = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size, tenants=tenants)
+    first_of_second = next(i for i, b in enumerate(planned) if b.tenant == tenants[1])
+    # Die after the second tenant's first batch, or after the first tenant's last one.
+    last = first_of_second if stop == "inside the second tenant" else first_of_second - 1
+    seen: list[BatchReport] = []
+
+    def die(report: BatchReport) -> None:
+        seen.append(report)
+        if len(seen) == last + 1:
+            raise Died
+
+    with pytest.raises(Died):
+        run_chunk(conn, policy, CUTOFF, chunk, attempt=Attempt("d", "r", 0, 1), on_batch=die)
+    done = planned[: last + 1]
+    gone = sum(len(b.eligible) for b in done)
+    row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+    resume_at = (1, planned[last].hi) if stop == "inside the second tenant" else (1, chunk.lo)
+    assert (row["state"], row["tenant_pos"], row["next_key"]) == ("running", *resume_at)
+    assert row["rows_deleted"] == gone == total - scalar(admin, f"SELECT count(*) FROM {table}")
+    assert set(mine) - set(eligible_ids(admin, table)) == {i for b in done for i in b.eligible}
+
+    retry = run_chunk(conn, policy, CUTOFF, chunk, attempt=Attempt("d", "r", 0, 2))
+    assert retry.resumed_from == resume_at[1]
+    assert [(b.tenant, b.lo, b.hi, b.deleted) for b in retry.batch_log] == [
+        (b.tenant, b.lo, b.hi, len(b.eligible)) for b in planned[last + 1 :]
+    ]
+    assert retry.rows_deleted == len(mine) - gone
+    assert eligible_ids(admin, table, extra=f"tenant_id IN ({', '.join(tenants)})") == []
+    # Each row deleted once: the ledger's count is exactly what left the table.
+    final = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+    assert (final["state"], final["attempts"]) == ("complete", 2)
+    assert final["rows_deleted"] == len(mine) == total - scalar(admin, f"SELECT count(*) FROM {table}")

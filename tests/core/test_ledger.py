@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
@@ -9,7 +10,7 @@ import pytest
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger import SCHEMA_VERSION, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.ledger import _MIGRATIONS, SCHEMA_VERSION, ChunkSpec, Ledger, RunRecord
 from tests.conftest import connect
 
 from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar, start_and_join
@@ -145,3 +146,91 @@ def test_complete_run_sums_chunks_and_first_verification_wins(schema: str, conn:
     second = ledger.complete_run(conn, "p@y", "verifier-2")
     assert second["verified_by"] == "verifier-1"
     assert second["completed_at"] == first["completed_at"]
+
+
+def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    s = ledger.s
+    # A ledger as version 1 of the package left it, with a run half done.
+    rows(admin, f"CREATE SCHEMA {s}")
+    rows(admin, _MIGRATIONS[1].format(s=s))
+    rows(
+        admin,
+        f"CREATE TABLE {s}.ledger_version (singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
+        " version integer NOT NULL, migrated_at timestamptz NOT NULL DEFAULT now())",
+    )
+    rows(admin, f"INSERT INTO {s}.ledger_version (version) VALUES (1)")
+    with dbapi.transaction(conn) as cur:
+        ledger.register_run(cur, _record("p@v1", 2))
+        ledger.insert_chunks(cur, "p@v1", [ChunkSpec("a", 1, 11, seq=0), ChunkSpec("b", 11, 21, seq=1)])
+    rows(
+        admin,
+        f"UPDATE {s}.chunks SET state = 'running', next_key = 6, rows_deleted = 4, batches = 1 WHERE chunk_key = 'a'",
+    )
+    assert ledger.version(conn) == 1
+    old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
+    old_run = ledger_run(admin, ledger.schema, "p@v1")
+
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 2
+    assert ledger.version(conn) == 2
+    chunks = ledger_chunks(admin, ledger.schema, "p@v1")
+    new_columns = {
+        "tenant_pos": 0,
+        "last_batch_size": None,
+        "min_batch_size": None,
+        "max_batch_size": None,
+        "backoffs": 0,
+        "backoff_seconds": 0,
+    }
+    for before, after in zip(old_chunks, chunks, strict=True):
+        assert set(after) - set(before) == set(new_columns)
+        assert {k: after[k] for k in before} == before  # every old value kept
+        assert {k: after[k] for k in new_columns} == new_columns
+    run = ledger_run(admin, ledger.schema, "p@v1")
+    assert run is not None and old_run is not None
+    assert {k: run[k] for k in old_run} == old_run
+    assert {k: run[k] for k in set(run) - set(old_run)} == {
+        "oldest_eligible_at": None,
+        "eligible_left": None,
+        "cleanup_lag_seconds": None,
+        "lag_measured_at": None,
+        "vacuumed_at": None,
+    }
+    # The migrated ledger works with the new code: progress with a tenant position, and read back.
+    with dbapi.transaction(conn) as cur:
+        assert ledger.lock_chunk(cur, "p@v1", "a") == ("running", 6, 1, 11, None, 4, 0)
+    assert [c["chunk_key"] for c in ledger.chunk_rows(conn, "p@v1")] == ["a", "b"]
+    assert ledger.ensure(conn) == 2  # and it is not migrated twice
+    assert scalar(admin, f"SELECT count(*) FROM {s}.ledger_version") == 1
+
+
+def test_prune_deletes_only_the_policys_runs_last_touched_long_ago(schema: str, conn: Any, admin: Any) -> None:
+    ledger = Ledger(f"{schema}_ledger")
+    ledger.ensure(conn)
+    s = ledger.s
+    ages = {  # run key: (policy, planned days ago, completed days ago)
+        "p@old": ("p", 100, None),
+        "p@old-done": ("p", 100, 95),
+        "p@old-plan-recent-finish": ("p", 100, 10),
+        "p@recent": ("p", 10, None),
+        "p@edge": ("p", 89, None),
+        "q@old": ("q", 100, 100),
+    }
+    with dbapi.transaction(conn) as cur:
+        for key, (policy, _, _) in ages.items():
+            ledger.register_run(cur, dataclasses.replace(_record(key, 1), policy=policy))
+            ledger.insert_chunk(cur, key, ChunkSpec("c", 1, 11, seq=0))
+    for key, (_, planned, completed) in ages.items():
+        rows(
+            admin,
+            f"UPDATE {s}.runs SET planned_at = now() - make_interval(days => %(p)s),"
+            " completed_at = now() - make_interval(days => %(c)s) WHERE run_key = %(k)s",
+            {"k": key, "p": planned, "c": completed},
+        )
+    assert ledger.prune(conn, "p", 90) == 2
+    left = {r[0] for r in rows(admin, f"SELECT run_key FROM {s}.runs")}
+    assert left == set(ages) - {"p@old", "p@old-done"}
+    assert {r[0] for r in rows(admin, f"SELECT DISTINCT run_key FROM {s}.chunks")} == left
+    assert ledger.prune(conn, "p", 90) == 0
+    assert ledger.prune(conn, "q", 90) == 1
+    assert ledger.policies(conn) == ["p"]

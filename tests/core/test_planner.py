@@ -13,7 +13,7 @@ import pytest
 
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.planner import MAX_TENANTS_PER_CHUNK, Plan, plan_run
+from airflow_retention.core.planner import MAX_TENANTS_PER_CHUNK, Plan, Preview, compute_plan, plan_run
 from airflow_retention.core.policy import RetentionPolicy
 from tests.conftest import connect
 
@@ -299,3 +299,72 @@ def test_more_tenants_than_max_chunks_can_hold(schema: str, conn: Any, admin: An
         return
     assert len(plan.chunks) <= 2
     assert uncovered(admin, table, policy, plan) == []
+
+
+def _schema_exists(admin: Any, name: str) -> bool:
+    return bool(scalar(admin, "SELECT count(*) FROM pg_namespace WHERE nspname = %(n)s", {"n": name}))
+
+
+@pytest.mark.parametrize("tenant_column", [None, "tenant_id"])
+def test_compute_plan_writes_nothing_and_matches_plan_run(
+    schema: str, conn: Any, admin: Any, tenant_column: str | None
+) -> None:
+    table = skewed_table(admin, schema)
+    rows(admin, f"ALTER TABLE {table} ALTER COLUMN created_at DROP NOT NULL")
+    rows(admin, f"UPDATE {table} SET created_at = NULL WHERE id IN (5, 6, 7)")  # reported, never planned
+    policy = make_policy(schema, tenant_column=tenant_column, chunk_rows=1000)
+    preview = compute_plan(conn, policy, CUTOFF, max_chunks=100)
+    assert isinstance(preview, Preview)
+    assert not _schema_exists(admin, policy.ledger_schema)  # no ledger schema, no tables
+    assert preview.rows_planned == len(eligible_ids(admin, table)) == sum(c.rows_planned or 0 for c in preview.chunks)
+    assert preview.null_timestamps == 3
+    assert preview.tenant_groups == (1 if tenant_column is None else 54)
+    assert chunk_counts(admin, table, preview.chunks) == [c.rows_planned for c in preview.chunks]
+    plan = plan_run(conn, policy, CUTOFF, max_chunks=100)
+    assert _schema_exists(admin, policy.ledger_schema)
+    assert (plan.run_key, plan.rows_planned, plan.chunk_rows) == (
+        preview.run_key,
+        preview.rows_planned,
+        preview.chunk_rows,
+    )
+    assert shape(plan) == [(c.key, c.seq, c.tenants, c.lo, c.hi, c.rows_planned) for c in preview.chunks]
+
+
+def test_compute_plan_grows_chunk_rows_like_plan_run(schema: str, conn: Any, admin: Any) -> None:
+    skewed_table(admin, schema)
+    policy = make_policy(schema, tenant_column="tenant_id", chunk_rows=500)
+    preview = compute_plan(conn, policy, CUTOFF, max_chunks=8)
+    assert len(preview.chunks) <= 8 and preview.chunk_rows > 500
+    assert not _schema_exists(admin, policy.ledger_schema)
+    with pytest.raises(PermanentError, match="in the future"):
+        compute_plan(conn, policy, datetime.now(timezone.utc) + timedelta(days=2))
+    assert not _schema_exists(admin, policy.ledger_schema)
+
+
+def test_plan_run_prunes_the_policys_old_runs(schema: str, conn: Any, admin: Any) -> None:
+    skewed_table(admin, schema)
+    policy = make_policy(schema, chunk_rows=5000, ledger_keep_days=40)
+    other = make_policy(schema, name="other_purge", chunk_rows=5000, ledger_keep_days=40)
+    old, touched = (plan_run(conn, policy, CUTOFF - timedelta(hours=h)) for h in (2, 1))
+    others = [plan_run(conn, other, CUTOFF - timedelta(hours=h)) for h in (2, 1)]
+    assert all(p.chunks for p in (old, touched, *others))
+    ledger = f'"{policy.ledger_schema}"'
+    # All planned 45 days ago; one of the policy's runs completed yesterday (last touched then: kept).
+    rows(admin, f"UPDATE {ledger}.runs SET planned_at = now() - interval '45 days'")
+    rows(
+        admin,
+        f"UPDATE {ledger}.runs SET state = 'complete', completed_at = now() - interval '1 day' WHERE run_key = %(k)s",
+        {"k": touched.run_key},
+    )
+    before = {r[0] for r in rows(admin, f"SELECT run_key FROM {ledger}.runs")}
+    assert len(before) == 4
+    again = plan_run(conn, policy, CUTOFF - timedelta(hours=1))  # a stored plan: returned, nothing pruned
+    assert again.reused
+    assert {r[0] for r in rows(admin, f"SELECT run_key FROM {ledger}.runs")} == before
+    plan = plan_run(conn, policy, CUTOFF)  # plans a new run, then prunes
+    after = {r[0] for r in rows(admin, f"SELECT run_key FROM {ledger}.runs")}
+    assert before - after == {old.run_key}
+    assert after == (before - {old.run_key}) | {plan.run_key}
+    assert {p.run_key for p in others} <= after  # another policy's runs stay, however old
+    assert ledger_chunks(admin, policy.ledger_schema, old.run_key) == []  # its chunks went with it
+    assert len(ledger_chunks(admin, policy.ledger_schema, touched.run_key)) == len(touched.chunks)

@@ -5,10 +5,15 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_retention.core.engine import run_chunk
+import pytest
+
+from airflow_retention.core.catalog import inspect_target
+from airflow_retention.core.engine import BatchReport, run_chunk
 from airflow_retention.core.ledger import ChunkSpec
+from airflow_retention.core.planner import plan_run
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import condition_probe, eligibility
+from airflow_retention.core.sql import MAX_KEY, MIN_KEY, condition_probe, eligibility, leftover_statement
+from tests.core.helpers import CUTOFF, ELIGIBLE, create_events, fill_events, make_policy, rows
 
 
 def test_a_condition_with_like_percent_runs_on_both_drivers(conn: Any, admin: Any, schema: str) -> None:
@@ -56,6 +61,69 @@ def test_identifiers_are_quoted_and_the_condition_is_parenthesised() -> None:
     pred = eligibility(policy, target, tenant_filter=True)
     assert '"Order" >= %(lo)s::bigint' in pred
     assert "\"select\" < (%(cutoff)s::timestamptz AT TIME ZONE 'UTC')" in pred
-    assert '"tenant" = ANY(%(tenants)s::text[]::integer[])' in pred
+    assert '"tenant" = %(tenant)s::text::integer' in pred  # one tenant at a time: the (tenant, key) index
+    assert "ANY(" not in pred
     assert pred.endswith("(\na = 1 or b = 2\n)")
     assert condition_probe(policy) == 'EXPLAIN SELECT 1 FROM "public"."user" WHERE (\na = 1 or b = 2\n)'
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("tenant_column", [None, "tenant_id"])
+def test_leftover_after_a_partial_purge(conn: Any, admin: Any, schema: str, tenant_column: str | None) -> None:
+    """What a run left behind: the oldest eligible timestamp and the eligible count, capped."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 3000, tenant="1 + mod(g, 3)")
+    rows(admin, f"UPDATE {table} SET tenant_id = NULL WHERE id IN (1, 2, 3)")  # no tenant: never eligible
+    policy = make_policy(schema, tenant_column=tenant_column)
+    target = inspect_target(conn, policy)
+    statement = leftover_statement(policy, target)
+    null_tenant = "" if tenant_column is None else " AND tenant_id IS NOT NULL"
+
+    def leftover(cap: int) -> tuple[Any, int]:
+        params = {"cutoff": CUTOFF, "lo": MIN_KEY, "hi": MAX_KEY, "cap": cap}
+        with conn.cursor() as cur:
+            cur.execute(statement, params)
+            oldest, left = cur.fetchone()
+        conn.rollback()
+        return oldest, int(left)
+
+    def expected() -> tuple[Any, int]:
+        oldest, count = rows(
+            admin, f"SELECT min(created_at), count(*) FROM {table} WHERE {ELIGIBLE}{null_tenant}", {"cutoff": CUTOFF}
+        )[0]
+        return oldest, int(count)
+
+    full_oldest, full_count = expected()
+    assert full_count > 1000
+    assert leftover(10**9) == (full_oldest, full_count)
+    # Part of the purge: the first chunk, stopped after two batches of another.
+    plan = plan_run(conn, make_policy(schema, tenant_column=tenant_column, chunk_rows=400), CUTOFF)
+    assert len(plan.chunks) >= 3
+    run_chunk(conn, make_policy(schema, tenant_column=tenant_column, chunk_rows=400), CUTOFF, plan.chunks[0])
+    seen: list[BatchReport] = []
+
+    def stop_after_two(report: BatchReport) -> None:
+        seen.append(report)
+        if len(seen) == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_chunk(
+            conn,
+            make_policy(schema, tenant_column=tenant_column, chunk_rows=400),
+            CUTOFF,
+            plan.chunks[-1],
+            on_batch=stop_after_two,
+        )
+    oldest, count = expected()
+    assert 0 < count < full_count
+    assert leftover(10**9) == (oldest, count)
+    assert leftover(count) == (oldest, count)
+    assert leftover(7) == (oldest, 7)  # counted only up to the cap
+    assert leftover(1) == (oldest, 1)
+    # Nothing left: no oldest timestamp, zero rows.
+    rows(admin, f"DELETE FROM {table} WHERE {ELIGIBLE}", {"cutoff": CUTOFF})
+    assert leftover(100) == (None, 0)

@@ -34,6 +34,7 @@ DRILL_POLICY = {
     "tenant_column": "tenant_id",
     "retention": "1 day",
     "batch_size": 1000,
+    "target_batch_time": 0,  # fixed batches: the drill holds a row of the victim's third batch
     "chunk_rows": 5000,
     "max_active_chunks": 4,
     "lock_timeout": "60s",
@@ -49,6 +50,13 @@ MISSED_POLICY = {
     "batch_size": 500,
 }
 EXAMPLES = ("webhook_deliveries", "tenant_events", "audit_log")
+
+
+def one(conn: Any, sql: str, params: Any = None) -> Any:
+    """The one row of a query on an autocommit connection."""
+    with conn.cursor() as cur:
+        cur.execute(sql, params)
+        return cur.fetchone()
 
 
 def day(offset: int) -> datetime:

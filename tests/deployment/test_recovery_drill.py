@@ -16,7 +16,7 @@ from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.demo.deployment import Deployment
-from tests.deployment.conftest import day
+from tests.deployment.conftest import day, one
 
 pytestmark = pytest.mark.scheduler
 
@@ -40,12 +40,6 @@ CREATE INDEX ON drill.events (tenant_id, id);
 ANALYZE drill.events;
 """
 KEEP_SQL = "SELECT count(*), coalesce(sum(hashtextextended(id::text, 0)::numeric), 0) FROM drill.events"
-
-
-def one(conn: Any, sql: str, params: Any = None) -> Any:
-    with conn.cursor() as cur:
-        cur.execute(sql, params)
-        return cur.fetchone()
 
 
 def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
@@ -75,10 +69,11 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
         # Halfway: a chunk in the middle of the plan, not started yet. Hold a row of its third batch so that
         # the worker commits two batches, then waits inside the third one when we kill it.
         victim = next(c for c in chunks[len(chunks) // 2 :] if c["state"] == "pending")
+        # A batch is the next 1,000 keys of the tenant's range: the third holds keys 2,001 to 3,000.
         (third_batch_row,) = one(
             target,
-            "SELECT id FROM drill.events WHERE tenant_id = %s AND id >= %s AND id < %s AND created_at < %s"
-            " ORDER BY id OFFSET 2500 LIMIT 1",
+            "SELECT id FROM (SELECT id, created_at FROM drill.events WHERE tenant_id = %s AND id >= %s AND id < %s"
+            " ORDER BY id OFFSET 2000 LIMIT 1000) third WHERE created_at < %s ORDER BY id LIMIT 1",
             (int(victim["tenants"][0]), victim["lo"], victim["hi"], cutoff),
         )
         with blocker.cursor() as cur:

@@ -23,6 +23,7 @@ from tests.core.helpers import (
     CUTOFF,
     create_events,
     eligible_ids,
+    expected_batches,
     fill_events,
     make_policy,
     rows,
@@ -57,9 +58,12 @@ def test_session_terminated_mid_batch_applies_nothing_and_the_retry_completes(
     eligible = eligible_ids(admin, table)
     policy = make_policy(schema, batch_size=500, lock_timeout="30s")
     (chunk,) = (plan := plan_run(conn, policy, CUTOFF)).chunks
+    first, second, third = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size)[:3]
+    done = len(first.eligible) + len(second.eligible)
+    assert done > 0 and len(third.eligible) > 10
     blocker = connect("psycopg2")
     with blocker.cursor() as cur:  # the third batch will wait on this row's lock
-        cur.execute(f"SELECT id FROM {table} WHERE id = %s FOR UPDATE", (eligible[1200],))
+        cur.execute(f"SELECT id FROM {table} WHERE id = %s FOR UPDATE", (third.eligible[10],))
     failure: list[BaseException] = []
     worker = connect(driver)
 
@@ -90,9 +94,10 @@ def test_session_terminated_mid_batch_applies_nothing_and_the_retry_completes(
 
     assert len(failure) == 1 and isinstance(failure[0], RetryableError), failure
     # The killed batch left nothing: the rows it was deleting are back, the ledger did not move.
-    assert len(eligible) - len(eligible_ids(admin, table)) == gone_before == before["rows_deleted"] == 1000
-    assert before["next_key"] == eligible[999] + 1
-    assert purge_with_retries(driver, policy, plan, chunk) == len(eligible) - 1000
+    assert len(eligible) - len(eligible_ids(admin, table)) == gone_before == before["rows_deleted"] == done
+    assert eligible_ids(admin, table) == [i for i in eligible if i >= second.hi]
+    assert (before["next_key"], before["batches"]) == (second.hi, 2)
+    assert purge_with_retries(driver, policy, plan, chunk) == len(eligible) - done
     after = {c["chunk_key"]: c for c in ledger.chunk_rows(admin, plan.run_key)}[chunk.key]
     assert (after["state"], after["rows_deleted"], after["attempts"]) == ("complete", len(eligible), 2)
     assert eligible_ids(admin, table) == []
@@ -294,10 +299,13 @@ def test_server_restarted_between_batches_then_the_retry_completes(driver: str) 
         table = create_events(admin, schema)
         fill_events(admin, table, 3_000)
         eligible = eligible_ids(admin, table)
-        admin.close()
         policy = make_policy(schema, batch_size=400)
         conn = connect(driver)
         (chunk,) = (plan := plan_run(conn, policy, CUTOFF)).chunks
+        planned = expected_batches(admin, table, chunk.lo, chunk.hi, policy.batch_size)
+        done = len(planned[0].eligible) + len(planned[1].eligible)
+        assert len(planned) > 3 and done > 0
+        admin.close()
         batches: list[int] = []
 
         def restart_after_two(report: Any) -> None:
@@ -311,9 +319,15 @@ def test_server_restarted_between_batches_then_the_retry_completes(driver: str) 
         admin = connect("psycopg2")
         admin.autocommit = True
         (row,) = [c for c in Ledger(policy.ledger_schema).chunk_rows(admin, plan.run_key)]
-        assert (row["state"], row["rows_deleted"], row["batches"]) == ("running", 800, 2)
-        assert len(eligible) - len(eligible_ids(admin, table)) == 800
-        assert purge_with_retries(driver, policy, plan, chunk) == len(eligible) - 800
+        assert (row["state"], row["rows_deleted"], row["batches"], row["next_key"]) == (
+            "running",
+            done,
+            2,
+            planned[1].hi,
+        )
+        assert batches == [len(planned[0].eligible), len(planned[1].eligible)]
+        assert eligible_ids(admin, table) == [i for i in eligible if i >= planned[1].hi]
+        assert purge_with_retries(driver, policy, plan, chunk) == len(eligible) - done
         (row,) = [c for c in Ledger(policy.ledger_schema).chunk_rows(admin, plan.run_key)]
         assert (row["state"], row["rows_deleted"], row["attempts"]) == ("complete", len(eligible), 2)
         assert eligible_ids(admin, table) == []

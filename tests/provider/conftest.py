@@ -49,6 +49,18 @@ policies:
     timestamp_column: created_at
     retention: 10 days
     retries: 3
+  - name: t_audit_dry
+    table: airflow_t.audit
+    key_column: id
+    timestamp_column: at
+    retention: 10 days
+    dry_run: true
+  - name: t_audit_vacuum
+    table: airflow_t.audit
+    key_column: id
+    timestamp_column: at
+    retention: 10 days
+    vacuum_after_rows: 1
 """
 
 # 30,000 orders over 60 days from 2026-01-01; tenant 1 holds 3/4 of them; every 13th is still open.

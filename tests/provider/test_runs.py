@@ -69,7 +69,8 @@ def test_every_example_dag_end_to_end(target: Any) -> None:
         if policy.archive_table is not None:
             assert query(target, f"SELECT count(*) FROM {policy.archive_table.sql}")[0][0] == run["rows_deleted"]
         labels = [ti.rendered_map_index for ti in task_instances(dag_run) if ti.task_id.endswith("purge_chunk")]
-        assert labels and all("ids " in (label or "") for label in labels)
+        unit = "blocks " if policy.chunk_by == "block" else "ids "
+        assert labels and all(unit in (label or "") for label in labels)
         if policy.tenant_column:
             assert any(label.startswith("tenant") or "tenants" in label for label in labels)
 

@@ -1,0 +1,187 @@
+"""Drawing with ``rich``: the status tables, the plan, the verification and the progress of a purge."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from airflow_retention.cli.report import PolicyStatus, RunSummary
+from airflow_retention.cli.timefmt import human_seconds, short
+
+# Piped output (files, CI logs, tests) gets wide tables instead of rich's 80 columns.
+PIPE_WIDTH = 160
+
+
+def make_console(stream: TextIO | None = None) -> Console:
+    """A console on ``stream`` (stdout, looked up at call time so that tests can capture it)."""
+    stream = stream or sys.stdout
+    is_tty = hasattr(stream, "isatty") and stream.isatty()
+    width = None if is_tty or os.environ.get("COLUMNS") else PIPE_WIDTH
+    return Console(file=stream, width=width, highlight=False, soft_wrap=False)
+
+
+def emit_json(data: Any, stream: TextIO | None = None) -> None:
+    """One JSON document (indented), or one line with ``compact`` for streams of events."""
+    stream = stream or sys.stdout
+    stream.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    stream.flush()
+
+
+def emit_json_line(data: Any, stream: TextIO | None = None) -> None:
+    stream = stream or sys.stdout
+    stream.write(json.dumps(data, ensure_ascii=False) + "\n")
+    stream.flush()
+
+
+def rows_text(run: RunSummary) -> str:
+    if run.kind == "dry-run":
+        return f"{run.rows_matched:,} matched"
+    text = f"{run.rows_deleted:,}"
+    return f"{text} ({run.rows_archived:,} archived)" if run.rows_archived else text
+
+
+def lag_text(run: RunSummary) -> str:
+    if run.cleanup_lag_seconds is None:
+        return "—"
+    text = human_seconds(run.cleanup_lag_seconds)
+    return f"{text}, {run.eligible_left:,} left" if run.eligible_left else text
+
+
+def state_text(run: RunSummary) -> str:
+    colour = "green" if run.state == "complete" else ("yellow" if run.running else "cyan")
+    label = run.status if run.kind in ("planned", "lone") else f"{run.status} (dry run)"
+    return f"[{colour}]{escape(label)}[/]"
+
+
+def status_table(status: PolicyStatus) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for name, justify in (
+        ("cutoff", "left"),
+        ("state", "left"),
+        ("chunks", "right"),
+        ("rows deleted", "right"),
+        ("rows planned", "right"),
+        ("duration", "right"),
+        ("cleanup lag", "right"),
+    ):
+        table.add_column(name, justify=justify, no_wrap=True)
+    for run in status.runs:
+        table.add_row(
+            short(run.cutoff),
+            state_text(run),
+            f"{run.chunks_complete}/{run.chunks_expected}",
+            rows_text(run),
+            f"{run.rows_planned:,}",
+            run.duration_text(),
+            lag_text(run),
+        )
+    return table
+
+
+def print_status(console: Console, statuses: Sequence[PolicyStatus]) -> None:
+    for index, status in enumerate(statuses):
+        if index:
+            console.print()
+        p = status.policy
+        version = f"ledger {p.ledger_schema} v{status.ledger_version}" if status.ledger_version else "no ledger"
+        console.print(
+            f"[bold]{escape(p.name)}[/]  {escape(str(p.table))} · retention {escape(str(p.retention))}"
+            f" · {escape(str(p.schedule))}{' · dry run' if p.dry_run else ''} · {escape(version)}"
+        )
+        if status.runs:
+            console.print(status_table(status))
+        elif status.ledger_version:
+            console.print("  no run in the ledger yet")
+        for warning in status.warnings:
+            console.print(f"  [yellow]warning:[/] {escape(warning.message)}", soft_wrap=True)
+        if not status.warnings:
+            console.print("  [green]no warnings[/]")
+
+
+def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, Any] | None, max_rows: int) -> None:
+    console.print(f"[bold]plan of run {escape(preview.run_key)}[/] (dry run of the planner: nothing written)")
+    console.print(
+        f"  table {escape(str(policy.table))}, cutoff {short(preview.cutoff)} (rows with"
+        f" {escape(policy.timestamp_column)} before it{' and the condition' if policy.condition else ''})"
+    )
+    grown = f" (grown from {policy.chunk_rows:,} to fit max chunks)" if preview.chunk_rows != policy.chunk_rows else ""
+    console.print(
+        f"  {len(preview.chunks)} chunk(s), {preview.rows_planned:,} eligible row(s),"
+        f" {preview.tenant_groups} tenant group(s), chunk_rows {preview.chunk_rows:,}{grown}"
+    )
+    if preview.null_timestamps:
+        console.print(
+            f"  [yellow]warning:[/] {preview.null_timestamps:,} row(s) with a NULL timestamp are never deleted"
+        )
+    if stored is not None:
+        console.print(
+            f"  [cyan]already in the ledger[/]: planned {short(stored['planned_at'])}, state {stored['state']},"
+            f" {stored['chunks_expected']} chunk(s), {stored['rows_planned']:,} row(s); a planner would reuse that"
+            " stored plan"
+        )
+    if not preview.chunks:
+        console.print("  nothing eligible: the run would be recorded complete with 0 rows")
+        return
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", show_footer=True)
+    table.add_column("#", justify="right", footer="")
+    table.add_column("chunk key", footer="total")
+    table.add_column("tenants")
+    table.add_column("keys [lo, hi)", justify="right")
+    table.add_column("rows planned", justify="right", footer=f"{preview.rows_planned:,}")
+    for chunk in preview.chunks[:max_rows]:
+        table.add_row(
+            str(chunk.seq),
+            escape(chunk.key),
+            escape(tenants_text(chunk.tenants)),
+            f"{chunk.lo:,} – {chunk.hi:,}",
+            f"{chunk.rows_planned or 0:,}",
+        )
+    console.print(table)
+    if len(preview.chunks) > max_rows:
+        console.print(f"  … and {len(preview.chunks) - max_rows} more chunk(s) (--chunks N, or --json for all)")
+
+
+def tenants_text(tenants: Sequence[str] | None) -> str:
+    if tenants is None:
+        return "all"
+    if len(tenants) <= 3:
+        return ", ".join(tenants)
+    return f"{len(tenants)}: {tenants[0]} … {tenants[-1]}"
+
+
+def print_verification(
+    console: Console, verification: Any, chunks: list[dict[str, Any]], leftovers: str | None, max_rows: int
+) -> None:
+    colour = "green" if verification.ok else "red"
+    console.print(f"[{colour}]{escape(verification.describe())}[/]", soft_wrap=True)
+    incomplete = [c for c in chunks if c["state"] != "complete"]
+    if incomplete:
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+        for name in ("chunk key", "state", "next key of [lo, hi)", "rows deleted", "rows planned", "attempts"):
+            table.add_column(name, justify="left" if name in ("chunk key", "state") else "right", no_wrap=True)
+        table.add_column("last batch", no_wrap=True)
+        table.add_column("last error")
+        for c in incomplete[:max_rows]:
+            table.add_row(
+                escape(c["chunk_key"]),
+                c["state"],
+                f"{c['next_key']:,} of [{c['lo']:,}, {c['hi']:,})",
+                f"{c['rows_deleted']:,}",
+                f"{c['rows_planned'] or 0:,}",
+                str(c["attempts"]),
+                short(c["last_batch_at"]),
+                escape(c["last_error"] or ""),
+            )
+        console.print(table)
+        if len(incomplete) > max_rows:
+            console.print(f"  … and {len(incomplete) - max_rows} more incomplete chunk(s)")
+    if leftovers is not None:
+        console.print(f"  left behind: {escape(leftovers)}", soft_wrap=True)

@@ -1,0 +1,312 @@
+"""The ``airflow-retention`` command against the real PostgreSQL: status, plan, verify, init-ledger, the
+progress of a running purge, JSON output and errors. Runs ``main([...])`` in-process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pytest
+
+from airflow_retention.cli.report import progress_of
+from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.ledger import SCHEMA_VERSION, Ledger
+from airflow_retention.core.planner import plan_run
+from airflow_retention.core.verify import measure_leftovers
+
+from ..conftest import DSN
+from ..core.helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows, scalar
+from .helpers import RUN_DATE, policy_data, run_cli, write_policies
+
+
+@pytest.fixture
+def conn(dsn: str) -> Iterator[Any]:
+    """psycopg2, the driver of the command (the core's driver matrix is tested in tests/core)."""
+    c = psycopg2.connect(dsn)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def setup(admin: Any, schema: str, tmp_path: Path) -> dict[str, Any]:
+    """A 2,000-row events table (about 1,030 eligible rows at CUTOFF), its policy in chunks of 300 rows,
+    and the policies file; nothing planned yet."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 2000)
+    path = write_policies(tmp_path / "policies.yaml", policy_data(schema, chunk_rows=300))
+    return {
+        "table": table,
+        "policy": make_policy(schema, chunk_rows=300),
+        "args": ["--policies", str(path), "--dsn", DSN],
+        "eligible": len(eligible_ids(admin, table)),
+    }
+
+
+def schema_exists(admin: Any, name: str) -> bool:
+    return bool(scalar(admin, "SELECT count(*) FROM pg_namespace WHERE nspname = %(n)s", {"n": name}))
+
+
+def run_key_of(policy: Any) -> str:
+    return f"{policy.name}@2024-06-01T12:00:00Z"
+
+
+def test_plan_counts_chunks_and_writes_nothing_on_a_fresh_database(
+    capsys: Any, setup: dict[str, Any], admin: Any
+) -> None:
+    policy = setup["policy"]
+    result = run_cli(capsys, *setup["args"], "plan", "events_purge", "--date", RUN_DATE)
+    assert result.code == 0, result.err
+    assert f"plan of run {run_key_of(policy)}" in result.out
+    assert f"4 chunk(s), {setup['eligible']:,} eligible row(s)" in result.out
+    assert "all:1-" in result.out and "total" in result.out
+    assert not schema_exists(admin, policy.ledger_schema)
+
+    data = run_cli(capsys, *setup["args"], "plan", "events_purge", "--cutoff", "2024-06-01T12:00:00Z", "--json").json()
+    assert data["run_key"] == run_key_of(policy)
+    assert data["cutoff"] == "2024-06-01T12:00:00+00:00"
+    assert data["rows_planned"] == setup["eligible"] == sum(c["rows_planned"] for c in data["chunks"])
+    assert data["chunks_count"] == len(data["chunks"]) == 4
+    assert [c["seq"] for c in data["chunks"]] == [0, 1, 2, 3]
+    assert data["stored_run"] is None
+    assert set(data["chunks"][0]) == {"seq", "chunk_key", "tenants", "lo", "hi", "rows_planned"}
+    assert not schema_exists(admin, policy.ledger_schema)
+
+
+def test_plan_adds_no_run_to_an_existing_ledger_and_names_a_stored_one(
+    capsys: Any, setup: dict[str, Any], admin: Any, conn: Any
+) -> None:
+    policy = setup["policy"]
+    plan_run(conn, policy, CUTOFF - timedelta(days=1))  # the ledger exists, with another run
+    before = rows(admin, f'SELECT run_key FROM "{policy.ledger_schema}".runs')
+    result = run_cli(capsys, *setup["args"], "--json", "plan", "events_purge", "--date", RUN_DATE)
+    assert result.code == 0, result.err
+    assert result.json()["stored_run"] is None
+    assert rows(admin, f'SELECT run_key FROM "{policy.ledger_schema}".runs') == before
+
+    plan_run(conn, policy, CUTOFF)
+    result = run_cli(capsys, *setup["args"], "plan", "events_purge", "--date", RUN_DATE)
+    assert "already in the ledger" in result.out and "reuse" in result.out
+
+
+def test_status_verify_and_progress_of_a_partly_purged_run(
+    capsys: Any, setup: dict[str, Any], conn: Any, admin: Any
+) -> None:
+    policy = setup["policy"]
+    ledger = Ledger(policy.ledger_schema)
+    plan = plan_run(conn, policy, CUTOFF)
+    run_chunk(conn, policy, CUTOFF, plan.chunks[0])
+    ledger.record_error(conn, plan.run_key, plan.chunks[2].key, "lock timeout (SQLSTATE 55P03): boom", 1000)
+
+    status = run_cli(capsys, *setup["args"], "status", "--as-of", "2024-07-01T12:00:00Z")
+    assert status.code == 0, status.err
+    assert "events_purge" in status.out
+    assert "1/4" in status.out and "running for" in status.out
+    assert f"chunk {plan.chunks[2].key} (pending): lock timeout (SQLSTATE 55P03): boom" in status.out
+
+    data = run_cli(capsys, *setup["args"], "--json", "status", "events_purge").json()
+    (entry,) = data["policies"]
+    (run,) = entry["runs"]
+    assert run["run_key"] == plan.run_key
+    assert (run["chunks_complete"], run["chunks_expected"], run["rows_deleted"]) == (1, 4, 300)
+    assert (run["state"], run["running"], run["cleanup_lag_seconds"]) == ("planned", True, None)
+    assert run["chunk_errors"] == [
+        {
+            "chunk_key": plan.chunks[2].key,
+            "state": "pending",
+            "last_error": "lock timeout (SQLSTATE 55P03): boom",
+            "last_batch_at": None,
+        }
+    ]
+    assert {w["kind"] for w in entry["warnings"]} >= {"chunk_error"}
+
+    verify = run_cli(capsys, *setup["args"], "verify", "events_purge", "--date", RUN_DATE)
+    assert verify.code == 1
+    assert f"run {plan.run_key}: 1 of 4 expected chunk(s) complete; missing:" in verify.out
+    assert "boom" in verify.out and plan.chunks[3].key in verify.out
+
+    follow = run_cli(capsys, *setup["args"], "status", "--follow", plan.run_key, "--iterations", "1")
+    assert follow.code == 0, follow.err
+    assert "chunks" in follow.out and "1/4" in follow.out and f"300/{plan.rows_planned}" in follow.out
+
+    for chunk in plan.chunks[1:]:
+        run_chunk(conn, policy, CUTOFF, chunk)
+    ledger.complete_run(conn, plan.run_key, "test")
+    measure_leftovers(conn, policy, CUTOFF, ledger=ledger, run_key=plan.run_key)
+
+    verify = run_cli(capsys, *setup["args"], "--json", "verify", "events_purge", "--leftovers")
+    assert verify.code == 0, verify.err
+    data = verify.json()
+    assert data["ok"] and data["state"] == "complete" and data["incomplete_chunks"] == []
+    assert (data["chunks_expected"], data["chunks_complete"]) == (4, 4)
+    assert data["rows_deleted"] == setup["eligible"]
+    assert data["leftovers"] == {"count": 0, "capped": False, "oldest": None, "lag_seconds": 0.0}
+
+    status = run_cli(capsys, *setup["args"], "status", "--as-of", "2024-07-01T12:00:00Z")
+    assert "complete" in status.out and "4/4" in status.out and "0 s" in status.out
+    assert status.out.count("warning:") == 0
+    run = run_cli(capsys, *setup["args"], "--json", "status").json()["policies"][0]["runs"][0]
+    assert (run["state"], run["running"], run["cleanup_lag_seconds"], run["eligible_left"]) == ("complete", False, 0, 0)
+
+
+def test_watch_follows_a_purge_running_in_another_thread_until_done(
+    capsys: Any, setup: dict[str, Any], conn: Any, dsn: str
+) -> None:
+    policy = setup["policy"]
+    plan = plan_run(conn, policy, CUTOFF)
+    started = threading.Event()
+
+    def purge() -> None:
+        import psycopg2
+
+        worker = psycopg2.connect(dsn)
+        try:
+            started.set()
+            for chunk in plan.chunks:
+                run_chunk(worker, policy, CUTOFF, chunk)
+        finally:
+            worker.close()
+
+    thread = threading.Thread(target=purge)
+    thread.start()
+    started.wait(10)
+    result = run_cli(capsys, *setup["args"], "--json", "status", "--watch", "--interval", "0.05", "--iterations", "400")
+    thread.join(60)
+    assert result.code == 0, result.err
+    import json
+
+    lines = [json.loads(line) for line in result.out.splitlines()]
+    last = lines[-1]["runs"]
+    assert [r["run_key"] for r in last] == [plan.run_key]
+    assert last[0]["done"] and last[0]["chunks_complete"] == 4 == last[0]["chunks_expected"]
+    assert last[0]["rows_done"] == plan.rows_planned
+
+    nothing = run_cli(capsys, *setup["args"], "status", "--watch")
+    assert "no running purge" in nothing.out
+
+
+def test_progress_of_counts_chunks_and_rows() -> None:
+    run = {"run_key": "p@2024-06-01T12:00:00Z", "state": "planned", "chunks_expected": 3, "rows_planned": 90}
+    chunk = {"rows_planned": 30, "rows_matched": 0, "last_error": None, "last_batch_at": None}
+    chunks = [
+        {**chunk, "chunk_key": "a", "state": "complete", "rows_deleted": 30},
+        {**chunk, "chunk_key": "b", "state": "running", "rows_deleted": 12, "last_error": "lock timeout"},
+        {**chunk, "chunk_key": "c", "state": "pending", "rows_deleted": 0},
+    ]
+    progress = progress_of(run, chunks)
+    assert (progress.chunks_complete, progress.chunks_running, progress.chunks_expected) == (1, 1, 3)
+    assert (progress.rows_done, progress.rows_planned, progress.done) == (42, 90, False)
+    assert [e.chunk_key for e in progress.errors] == ["b"]
+    dry = progress_of({**run, "run_key": "p@x#dry-run"}, [{**c, "rows_matched": 5} for c in chunks])
+    assert dry.rows_done == 15
+
+
+def test_missed_runs_and_stuck_runs_are_warned(capsys: Any, setup: dict[str, Any], conn: Any, admin: Any) -> None:
+    policy = setup["policy"]
+    ledger = Ledger(policy.ledger_schema)
+    # Daily runs of 2024-07-01..05: the 1st, 2nd and 4th complete, the 3rd planned hours ago and left there.
+    stuck = None
+    for day in (1, 2, 3, 4):
+        cutoff = datetime(2024, 6, day, tzinfo=timezone.utc)
+        plan = plan_run(conn, policy, cutoff)
+        if day == 3:
+            stuck = plan
+            continue
+        for chunk in plan.chunks:
+            run_chunk(conn, policy, cutoff, chunk)
+        ledger.complete_run(conn, plan.run_key, "test")
+    assert stuck is not None and stuck.chunks
+    rows(
+        admin,
+        f"UPDATE \"{policy.ledger_schema}\".runs SET planned_at = now() - interval '3 hours 12 minutes'"
+        " WHERE run_key = %(k)s",
+        {"k": stuck.run_key},
+    )
+    path = write_policies(
+        Path(setup["args"][1]), policy_data(policy.table.schema, chunk_rows=300, start_date="2024-07-01")
+    )
+    result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "status", "--as-of", "2024-07-06T00:30:00Z")
+    assert result.code == 0, result.err
+    assert "2 scheduled run(s) without a complete run in the ledger (1 never planned): 2024-07-03, 2024-07-05" in (
+        " ".join(result.out.split())
+    )
+    assert f"run {stuck.run_key}: planned 3 h 12 min ago" in " ".join(result.out.split())
+
+    data = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "--json", "status", "--as-of", "2024-07-06").json()
+    missed = data["policies"][0]["missed_runs"]
+    assert [(m["date"], m["in_ledger"]) for m in missed] == [
+        ("2024-07-03T00:00:00+00:00", True),
+        ("2024-07-05T00:00:00+00:00", False),
+    ]
+    assert missed[1]["run_key"] == "events_purge@2024-06-05T00:00:00Z"
+    kinds = [w["kind"] for w in data["policies"][0]["warnings"]]
+    assert kinds == ["missed_run", "stuck"]
+
+
+def test_init_ledger_creates_then_reports_up_to_date(capsys: Any, schema: str, admin: Any) -> None:
+    ledger_schema = f"{schema}_ledger"
+    first = run_cli(capsys, "--dsn", DSN, "init-ledger", "--schema", ledger_schema)
+    assert first.code == 0, first.err
+    assert f"ledger schema {ledger_schema} in" in first.out and f"version {SCHEMA_VERSION} (created)" in first.out
+    assert schema_exists(admin, ledger_schema)
+    again = run_cli(capsys, "init-ledger", "--dsn", DSN, "--schema", ledger_schema, "--json").json()
+    assert again == {
+        "ledgers": [
+            {
+                "database": again["ledgers"][0]["database"],
+                "schema": ledger_schema,
+                "version_before": SCHEMA_VERSION,
+                "version": SCHEMA_VERSION,
+                "action": "up to date",
+            }
+        ]
+    }
+    assert "password" not in again["ledgers"][0]["database"]
+
+
+def test_init_ledger_of_the_policies_through_their_airflow_connection(
+    capsys: Any, setup: dict[str, Any], admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_retention.demo.postgres import airflow_connection_json
+
+    monkeypatch.setenv("AIRFLOW_CONN_RETENTION_TARGET", airflow_connection_json(DSN))
+    result = run_cli(capsys, "--policies", setup["args"][1], "init-ledger")
+    assert result.code == 0, result.err
+    assert schema_exists(admin, setup["policy"].ledger_schema)
+    status = run_cli(capsys, "--policies", setup["args"][1], "status")
+    assert "no run in the ledger yet" in status.out
+
+
+def test_errors_are_one_line_with_exit_code_2(capsys: Any, setup: dict[str, Any], tmp_path: Path) -> None:
+    unknown = run_cli(capsys, *setup["args"], "plan", "nope", "--date", RUN_DATE)
+    assert unknown.code == 2
+    assert unknown.err.strip() == "airflow-retention: error: unknown policy 'nope'; known policies: events_purge"
+
+    bad_db = run_cli(capsys, "--policies", setup["args"][1], "--dsn", "postgresql://nobody@127.0.0.1:1/x", "status")
+    assert bad_db.code == 2
+    assert bad_db.err.startswith("airflow-retention: error: cannot connect to PostgreSQL (")
+    assert len(bad_db.err.strip().splitlines()) == 1 and "Traceback" not in bad_db.err
+
+    no_file = run_cli(capsys, "--policies", str(tmp_path / "missing.yaml"), "--json", "status")
+    assert no_file.code == 2 and "cannot read policies file" in no_file.err
+    assert no_file.json()["exit_code"] == 2
+
+    future = run_cli(capsys, *setup["args"], "plan", "events_purge", "--date", "2999-01-01")
+    assert future.code == 2 and "is in the future" in future.err and "Traceback" not in future.err
+
+    bad_date = run_cli(capsys, *setup["args"], "verify", "events_purge", "--date", "yesterday")
+    assert bad_date.code == 2 and "--date 'yesterday' is not a date" in bad_date.err
+
+    never = run_cli(capsys, *setup["args"], "verify", "events_purge", "--date", RUN_DATE)
+    assert never.code == 1 and "not in the ledger (never planned)" in never.out
+
+
+def test_unknown_policy_in_a_file_with_a_bad_policy_is_reported(capsys: Any, schema: str, tmp_path: Path) -> None:
+    path = write_policies(tmp_path / "p.yaml", policy_data(schema), policy_data(schema, name="broken", retention="x"))
+    result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "status", "broken")
+    assert result.code == 2
+    assert "policy 'broken'" in result.err and "skipped" in result.err
+    assert "known policies: events_purge" in result.err

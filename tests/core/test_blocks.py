@@ -1,0 +1,142 @@
+"""``chunk_by: block``: chunks and batches as ranges of the table's physical blocks (TID range scans),
+planned from a repeatable sample. Every test runs on the real server, on both drivers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.catalog import inspect_target
+from airflow_retention.core.engine import BatchReport, run_chunk
+from airflow_retention.core.errors import PolicyError
+from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.planner import compute_plan, plan_run
+from airflow_retention.core.sql import batch_statement
+from tests.core.helpers import CUTOFF, create_events, eligible_ids, fill_events, ids, make_policy, rows, scalar
+
+ROWS = 40_000
+
+
+def block_policy(schema: str, **overrides: Any) -> Any:
+    return make_policy(schema, **{"chunk_by": "block", "batch_size": 2000, "chunk_rows": 5000, **overrides})
+
+
+def table(admin: Any, schema: str, count: int = ROWS) -> str:
+    name = create_events(admin, schema)
+    fill_events(admin, name, count)
+    rows(admin, f"VACUUM ANALYZE {name}")
+    return name
+
+
+def relation_blocks(admin: Any, name: str) -> int:
+    return scalar(admin, f"SELECT pg_relation_size('{name}') / current_setting('block_size')::int")
+
+
+def test_the_plan_covers_every_block_once_and_is_repeatable(schema: str, conn: Any, admin: Any) -> None:
+    name = table(admin, schema)
+    policy = block_policy(schema)
+    first = compute_plan(conn, policy, CUTOFF)
+    second = compute_plan(conn, policy, CUTOFF)
+    assert [c.key for c in first.chunks] == [c.key for c in second.chunks]
+    assert len(first.chunks) > 1
+    assert all(c.key == f"blocks:{c.lo}-{c.hi}" and c.tenants is None for c in first.chunks)
+    # Contiguous from block 0 to the end of the table: no eligible row can fall between two chunks.
+    assert first.chunks[0].lo == 0
+    assert all(a.hi == b.lo for a, b in zip(first.chunks, first.chunks[1:], strict=False))
+    assert first.chunks[-1].hi == relation_blocks(admin, name)
+    # The sample's estimate is close to the truth (a 30,000-row sample of 40,000 rows).
+    truth = len(eligible_ids(admin, name))
+    assert abs(first.rows_planned - truth) <= truth * 0.15
+    assert first.chunks[0].label() == f"blocks 0-{first.chunks[0].hi - 1}"
+
+
+def test_a_block_purge_deletes_exactly_the_eligible_rows(schema: str, conn: Any, admin: Any) -> None:
+    name = table(admin, schema)
+    policy = block_policy(schema)
+    eligible = set(eligible_ids(admin, name))
+    kept = ids(admin, name) - eligible
+    plan = plan_run(conn, policy, CUTOFF)
+    results = [run_chunk(conn, policy, plan.cutoff, chunk) for chunk in plan.chunks]
+    assert ids(admin, name) == kept
+    assert sum(r.rows_deleted for r in results) == len(eligible)
+    ledger = Ledger(policy.ledger_schema)
+    chunks = ledger.chunk_rows(admin, plan.run_key)
+    assert all(c["state"] == "complete" and c["next_key"] == c["hi"] for c in chunks)
+    assert sum(c["rows_deleted"] for c in chunks) == len(eligible)
+    # A replay finds every chunk complete and deletes nothing.
+    assert all(run_chunk(conn, policy, plan.cutoff, c).already_complete for c in plan.chunks)
+
+
+def test_a_killed_block_chunk_resumes_after_its_last_committed_batch(schema: str, conn: Any, admin: Any) -> None:
+    name = table(admin, schema)
+    policy = block_policy(schema, batch_size=1000)
+    eligible = set(eligible_ids(admin, name))
+    block_of = dict(rows(admin, f"SELECT id, (ctid::text::point)[0]::bigint FROM {name}"))
+    plan = plan_run(conn, policy, CUTOFF)
+    chunk = plan.chunks[0]
+    seen: list[BatchReport] = []
+
+    def die_after_two(report: BatchReport) -> None:
+        seen.append(report)
+        if len(seen) == 2:
+            raise KeyboardInterrupt("worker killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_chunk(conn, policy, plan.cutoff, chunk, on_batch=die_after_two)
+    ledger = Ledger(policy.ledger_schema)
+    row = ledger.chunk_rows(admin, plan.run_key)[0]
+    assert row["state"] == "running" and row["batches"] == 2
+    assert row["next_key"] == seen[1].hi and chunk.lo < row["next_key"] < chunk.hi
+    # Exactly the eligible rows of the two committed batches' blocks are gone.
+    gone = eligible - ids(admin, name)
+    assert gone == {i for i in eligible if block_of[i] < row["next_key"]}
+    assert len(gone) == row["rows_deleted"] == seen[0].deleted + seen[1].deleted > 0
+
+    result = run_chunk(conn, policy, plan.cutoff, chunk)
+    assert result.resumed_from == row["next_key"]
+    assert ledger.chunk_rows(admin, plan.run_key)[0]["rows_deleted"] == row["rows_deleted"] + result.rows_deleted
+    for rest in plan.chunks[1:]:
+        run_chunk(conn, policy, plan.cutoff, rest)
+    assert ids(admin, name) == set(block_of) - eligible
+    assert sum(c["rows_deleted"] for c in ledger.chunk_rows(admin, plan.run_key)) == len(eligible)
+
+
+def test_archive_and_dry_run_by_block(schema: str, conn: Any, admin: Any) -> None:
+    name = table(admin, schema, 10_000)
+    rows(admin, f'CREATE TABLE "{schema}".archive (LIKE {name})')
+    eligible = set(eligible_ids(admin, name))
+    dry = block_policy(schema, name="dry", dry_run=True)
+    plan = plan_run(conn, dry, CUTOFF)
+    matched = sum(run_chunk(conn, dry, plan.cutoff, c).rows_matched for c in plan.chunks)
+    assert matched == len(eligible) and len(eligible_ids(admin, name)) == len(eligible)
+    archiving = block_policy(schema, name="archiving", archive_table=f"{schema}.archive")
+    plan = plan_run(conn, archiving, CUTOFF)
+    results = [run_chunk(conn, archiving, plan.cutoff, c) for c in plan.chunks]
+    assert sum(r.rows_archived for r in results) == sum(r.rows_deleted for r in results) == len(eligible)
+    assert ids(admin, f'"{schema}".archive') == eligible
+
+
+def test_batches_read_their_blocks_with_a_tid_range_scan(schema: str, conn: Any, admin: Any) -> None:
+    table(admin, schema, 5000)
+    policy = block_policy(schema)
+    dbapi.prepare(conn)
+    target = inspect_target(conn, policy)
+    with dbapi.transaction(conn) as cur:
+        cur.execute(
+            "EXPLAIN " + batch_statement(policy, target, tenant_filter=False),
+            {"cutoff": CUTOFF, "lo_tid": "(0,0)", "hi_tid": "(10,0)"},
+        )
+        plan = "\n".join(r[0] for r in cur.fetchall())
+        conn.rollback()
+    assert "Tid Range Scan" in plan, plan
+
+
+def test_block_chunks_refuse_a_tenant_column(schema: str) -> None:
+    with pytest.raises(PolicyError) as info:
+        make_policy(schema, chunk_by="block", tenant_column="tenant_id")
+    assert info.value.field == "chunk_by"
+    with pytest.raises(PolicyError) as info:
+        make_policy(schema, chunk_by="pages")
+    assert info.value.field == "chunk_by" and "'key' or 'block'" in str(info.value)
