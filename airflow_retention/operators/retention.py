@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -93,16 +94,19 @@ class RetentionPlanOperator(BaseOperator):
                 format_cutoff(cutoff),
                 self.policy.retention,
             )
+            started = time.perf_counter()
             plan = self.hook.plan(cutoff, max_chunks=max_chunks, planned_by=attempt_from_context(context).label())
+            planning_seconds = time.perf_counter() - started
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc
         self.log.info(
-            "run %s: %s %d chunk(s), %d row(s) eligible at planning, chunk_rows %d",
+            "run %s: %s %d chunk(s), %d row(s) eligible at planning, chunk_rows %d, in %.2f s",
             plan.run_key,
             "reusing the stored plan of" if plan.reused else "planned",
             len(plan.chunks),
             plan.rows_planned,
             plan.chunk_rows,
+            planning_seconds,
         )
         if not plan.chunks:
             self.log.info("run %s: nothing eligible; recorded complete with 0 rows", plan.run_key)
@@ -113,6 +117,7 @@ class RetentionPlanOperator(BaseOperator):
                 "cutoff": format_cutoff(plan.cutoff),
                 "chunk_keys": [c.key for c in plan.chunks],
                 "rows_planned": plan.rows_planned,
+                "planning_seconds": round(planning_seconds, 3),
             },
         )
         return plan.expand_kwargs()
