@@ -25,6 +25,7 @@ from airflow_retention.core.sql import (
     BLOCK_COUNT,
     MAX_KEY,
     MIN_KEY,
+    TENANT_CORRELATION,
     block_sample_statement,
     boundary_statement,
     group_statement,
@@ -160,6 +161,32 @@ def warn_null_timestamps(conn: Any, policy: RetentionPolicy) -> int:
     return int(count)
 
 
+# Below this |correlation| the tenants' rows share their blocks.
+INTERLEAVED_BELOW = 0.5
+
+
+def warn_interleaved_tenants(conn: Any, policy: RetentionPolicy) -> float | None:
+    """Warn when the tenants' rows are spread over the same blocks: per-tenant batches then change every
+    block once per tenant (measured at 10M rows with 50 tenants: 0.03x the speed and 22x the WAL of one
+    DELETE, since each pass after a checkpoint writes full-page images again)."""
+    rows = dbapi.fetch_all(
+        conn, TENANT_CORRELATION, {"rel": policy.table.regclass_literal, "col": policy.tenant_column}
+    )
+    correlation = rows[0][0] if rows else None
+    if correlation is not None and abs(correlation) < INTERLEAVED_BELOW:
+        log.warning(
+            "policy %s: the rows of different %s values are interleaved in %s (correlation %.2f with the"
+            " table's physical order): per-tenant chunks rewrite each block once per tenant, with much"
+            " more WAL and time than one pass; use chunk_by 'block' or drop tenant_column unless per-tenant"
+            " fairness is worth it (docs/performance.md)",
+            policy.name,
+            policy.tenant_column,
+            policy.table,
+            correlation,
+        )
+    return correlation
+
+
 def split(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, groups: list[Group], chunk_rows: int
 ) -> list[ChunkSpec]:
@@ -248,6 +275,8 @@ def compute_plan(
         return _plan_blocks(conn, policy, target, cutoff, max_chunks)
     groups = read_groups(conn, policy, target, cutoff)
     null_timestamps = warn_null_timestamps(conn, policy)
+    if len(groups) > 1:
+        warn_interleaved_tenants(conn, policy)
     if math.ceil(len(groups) / MAX_TENANTS_PER_CHUNK) > max_chunks:
         log.warning(
             "policy %s: %d tenants have eligible rows, more than %d chunks of at most %d tenants can list;"

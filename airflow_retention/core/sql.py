@@ -151,6 +151,16 @@ def leftover_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
     )
 
 
+# How the tenant column's values follow the table's physical order (pg_stats, after ANALYZE): near 0
+# when every tenant's rows are spread over every block.
+TENANT_CORRELATION = (
+    "SELECT s.correlation FROM pg_catalog.pg_stats s"
+    " JOIN pg_catalog.pg_class c ON c.relname = s.tablename"
+    " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace AND n.nspname = s.schemaname"
+    " WHERE c.oid = %(rel)s::regclass AND s.attname = %(col)s"
+)
+
+
 def null_timestamps_statement(policy: RetentionPolicy) -> str:
     """Rows whose timestamp is NULL: never eligible (``NULL < cutoff`` is not true), so reported."""
     return f"SELECT count(*) FROM {policy.table.sql} WHERE {quote_ident(policy.timestamp_column)} IS NULL"

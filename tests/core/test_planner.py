@@ -368,3 +368,27 @@ def test_plan_run_prunes_the_policys_old_runs(schema: str, conn: Any, admin: Any
     assert {p.run_key for p in others} <= after  # another policy's runs stay, however old
     assert ledger_chunks(admin, policy.ledger_schema, old.run_key) == []  # its chunks went with it
     assert len(ledger_chunks(admin, policy.ledger_schema, touched.run_key)) == len(touched.chunks)
+
+
+def test_interleaved_tenants_are_warned_about_and_clustered_ones_are_not(
+    schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from airflow_retention.core.planner import warn_interleaved_tenants
+
+    interleaved = create_events(admin, schema, "interleaved")
+    fill_events(admin, interleaved, 20_000, tenant="mod(g, 10)")
+    clustered = create_events(admin, schema, "clustered")
+    fill_events(admin, clustered, 20_000, tenant="g / 2000")
+    for table in ("interleaved", "clustered"):
+        caplog.clear()
+        policy = make_policy(schema, table=f"{schema}.{table}", tenant_column="tenant_id")
+        with caplog.at_level("WARNING", logger="airflow_retention.core.planner"):
+            plan = compute_plan(conn, policy, CUTOFF)
+        assert len({c.tenants for c in plan.chunks}) >= 1
+        warned = [r.getMessage() for r in caplog.records if "interleaved" in r.getMessage()]
+        correlation = warn_interleaved_tenants(conn, policy)
+        assert correlation is not None
+        if table == "interleaved":
+            assert abs(correlation) < 0.5 and warned and "chunk_by 'block'" in warned[0]
+        else:
+            assert abs(correlation) > 0.9 and not warned
