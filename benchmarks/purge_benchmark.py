@@ -322,17 +322,16 @@ def engine(dsn: str, workers: int, chunk_by: str = "block", tenants: bool = Fals
 
 
 def ledger_totals(dsn: str) -> dict[str, Any]:
-    """What the ledger says about the (single) bench run: rows, chunks, planning time."""
+    """What the ledger says about the (single) bench run: rows, chunks, the largest batch size."""
     conn = psycopg2.connect(dsn)
     with conn.cursor() as cur:
         cur.execute(
             "SELECT r.rows_deleted, r.chunks_expected, r.state,"
-            " extract(epoch FROM min(c.first_started_at) - r.planned_at),"
             " max(c.last_batch_size), count(*) FILTER (WHERE c.state = 'complete')"
             " FROM bench_ledger.runs r LEFT JOIN bench_ledger.chunks c USING (run_key)"
-            " GROUP BY r.run_key, r.rows_deleted, r.chunks_expected, r.state, r.planned_at"
+            " GROUP BY r.run_key, r.rows_deleted, r.chunks_expected, r.state"
         )
-        rows, chunks, state, _, max_size, complete = cur.fetchone()
+        rows, chunks, state, max_size, complete = cur.fetchone()
     conn.close()
     if state != "complete" or complete != chunks:
         raise AssertionError(f"bench run not complete in the ledger: state {state}, {complete}/{chunks} chunks")

@@ -34,7 +34,12 @@ from airflow_retention.core.errors import PermanentError, RetentionError
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.pacing import BatchSizer, Throttler
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import BLOCK_COUNT, batch_statement, batch_walk_statement
+from airflow_retention.core.sql import (
+    BLOCK_COUNT,
+    batch_statement,
+    batch_statement_returns_counts,
+    batch_walk_statement,
+)
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +171,7 @@ def run_chunk(
                     last_key = int(extent[0]) if extent is not None else chunk.hi - 1
                     cur.execute(statement, {**batch, "upper": last_key})
                     full = extent is not None and last_key + 1 < chunk.hi
-                if policy.dry_run or policy.archive_table is not None:
+                if batch_statement_returns_counts(policy):
                     deleted, archived, matched = cur.fetchone()
                 else:
                     deleted, archived, matched = cur.rowcount, 0, 0
@@ -237,7 +242,6 @@ def run_chunk(
                 break
     except RetentionError as exc:
         backoffs, backoff_s = throttler.take()
-        result.backoffs += backoffs
         ledger.record_error(
             conn, key, chunk.key, str(exc), policy.lock_timeout_ms, backoffs=backoffs, backoff_seconds=backoff_s
         )

@@ -273,9 +273,9 @@ class Ledger:
         rows = dbapi.fetch_all(
             conn,
             f"SELECT {_RUN_COLUMNS} FROM {self.s}.runs"
-            " WHERE run_key IN (SELECT run_key FROM {s}.runs WHERE %(p)s::text IS NULL OR policy = %(p)s::text"
+            f" WHERE run_key IN (SELECT run_key FROM {self.s}.runs WHERE %(p)s::text IS NULL OR policy = %(p)s::text"
             "   ORDER BY cutoff DESC, planned_at DESC LIMIT %(n)s::integer)"
-            " ORDER BY policy, cutoff, planned_at".replace("{s}", self.s),
+            " ORDER BY policy, cutoff, planned_at",
             {"p": policy, "n": limit},
         )
         return [dict(zip(_RUN_FIELDS, row, strict=True)) for row in rows]

@@ -37,16 +37,26 @@ def eligibility(
     parts = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"] if key_range else []
     parts.append(f"{ts} < {cutoff}")
     if tenant_filter:
-        if policy.tenant_column is None or target.tenant_type is None:
-            raise ValueError("a tenant filter needs a tenant column")
-        # One tenant at a time: "= value" lets the (tenant, key) index return keys in order.
-        parts.append(f"{quote_ident(policy.tenant_column)} = %(tenant)s::text::{target.tenant_type}")
+        parts.append(_one_tenant(policy, target))
     elif policy.tenant_column is not None and not null_tenants:
         parts.append(f"{quote_ident(policy.tenant_column)} IS NOT NULL")
     if policy.condition:
         # Statements built here always travel with parameters: a literal % (LIKE 'a%') must be doubled.
         parts.append(f"(\n{policy.condition.replace('%', '%%')}\n)")
     return "\n  AND ".join(parts)
+
+
+def _one_tenant(policy: RetentionPolicy, target: TargetInfo) -> str:
+    # One tenant at a time: "= value" lets the (tenant, key) index return keys in order.
+    if policy.tenant_column is None or target.tenant_type is None:
+        raise ValueError("a tenant filter needs a tenant column")
+    return f"{quote_ident(policy.tenant_column)} = %(tenant)s::text::{target.tenant_type}"
+
+
+def batch_statement_returns_counts(policy: RetentionPolicy) -> bool:
+    """Whether :func:`batch_statement` returns its counts as a row; otherwise the driver's rowcount is
+    the number of rows deleted."""
+    return policy.dry_run or policy.archive_table is not None
 
 
 def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
@@ -57,9 +67,7 @@ def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_
     key = quote_ident(policy.key_column)
     walk = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"]
     if tenant_filter:
-        if policy.tenant_column is None or target.tenant_type is None:
-            raise ValueError("a tenant filter needs a tenant column")
-        walk.append(f"{quote_ident(policy.tenant_column)} = %(tenant)s::text::{target.tenant_type}")
+        walk.append(_one_tenant(policy, target))
     where = " AND ".join(walk)
     return f"SELECT {key} FROM {table}\nWHERE {where}\nORDER BY {key}\nOFFSET %(limit)s::integer - 1 LIMIT 1"
 
@@ -84,7 +92,7 @@ def batch_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filte
         in_batch = f"{key} <= %(upper)s::bigint\n  AND {eligibility(policy, target, tenant_filter=tenant_filter)}"
     if policy.dry_run:
         return f"SELECT 0::bigint, 0::bigint, (SELECT count(*) FROM {table} WHERE {in_batch})"
-    if policy.archive_table is None:
+    if not batch_statement_returns_counts(policy):
         # A plain DELETE: the driver's rowcount is the count (a RETURNING CTE would materialise every row).
         return f"DELETE FROM {table}\nWHERE {in_batch}"
     cols = ", ".join(quote_ident(c) for c in target.columns)

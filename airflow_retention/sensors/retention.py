@@ -70,10 +70,14 @@ class RetentionCompleteSensor(BaseSensorOperator):
     def hook(self) -> RetentionHook:
         return RetentionHook(policy=self.policy)
 
+    def _info(self, context: Context) -> Any:
+        """The run to verify: ``run_info``, else the planner's ``run`` XCom."""
+        if self.run_info is None and self.plan_task_id:
+            return context["ti"].xcom_pull(task_ids=self.plan_task_id, key=RUN_XCOM_KEY)
+        return self.run_info
+
     def _run(self, context: Context) -> tuple[str, list[str]]:
-        info = self.run_info
-        if info is None and self.plan_task_id:
-            info = context["ti"].xcom_pull(task_ids=self.plan_task_id, key=RUN_XCOM_KEY)
+        info = self._info(context)
         if not isinstance(info, dict) or "run_key" not in info:
             raise AirflowFailException(
                 f"policy {self.policy.name}: no plan to verify (the planner's 'run' XCom is {info!r});"
@@ -142,9 +146,8 @@ class RetentionCompleteSensor(BaseSensorOperator):
     def _report_leftovers(self, context: Context, run_key: str) -> None:
         """Measure the cleanup lag (the oldest eligible row left before the cutoff), store it on the run's
         ledger row and send it as a metric; a run that leaves eligible rows behind says so."""
-        info = self.run_info or context["ti"].xcom_pull(task_ids=self.plan_task_id, key=RUN_XCOM_KEY) or {}
         try:
-            cutoff = parse_cutoff(info["cutoff"])
+            cutoff = parse_cutoff(self._info(context)["cutoff"])
             leftovers = self.hook.measure_leftovers(run_key, cutoff)
         except Exception:
             self.log.warning("could not measure the cleanup lag of run %s", run_key, exc_info=True)
