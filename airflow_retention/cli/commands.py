@@ -152,8 +152,20 @@ def plan_json(policy: Any, preview: Any, stored: dict[str, Any] | None, date: st
                 "lo": c.lo,
                 "hi": c.hi,
                 "rows_planned": c.rows_planned,
+                "partition": c.partition,
+                "action": c.action,
             }
             for c in preview.chunks
+        ],
+        "partitions": [
+            {
+                "partition": str(d.relation.table),
+                "action": d.action,
+                "rows": d.rows,
+                "chunks": d.chunks,
+                "reason": d.reason,
+            }
+            for d in preview.partitions
         ],
     }
 

@@ -127,6 +127,8 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
             f" {stored['chunks_expected']} chunk(s), {stored['rows_planned']:,} row(s); a planner would reuse that"
             " stored plan"
         )
+    if preview.partitions:
+        console.print(partitions_table(preview.partitions))
     if not preview.chunks:
         console.print("  nothing eligible: the run would be recorded complete with 0 rows")
         return
@@ -134,19 +136,37 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
     table.add_column("#", justify="right", footer="")
     table.add_column("chunk key", footer="total")
     table.add_column("tenants")
-    table.add_column("keys [lo, hi)", justify="right")
+    table.add_column("blocks [lo, hi)" if policy.chunk_by == "block" else "keys [lo, hi)", justify="right")
     table.add_column("rows planned", justify="right", footer=f"{preview.rows_planned:,}")
     for chunk in preview.chunks[:max_rows]:
         table.add_row(
             str(chunk.seq),
             escape(chunk.key),
             escape(tenants_text(chunk.tenants)),
-            f"{chunk.lo:,} – {chunk.hi:,}",
+            chunk.action or f"{chunk.lo:,} – {chunk.hi:,}",
             f"{chunk.rows_planned or 0:,}",
         )
     console.print(table)
     if len(preview.chunks) > max_rows:
         console.print(f"  … and {len(preview.chunks) - max_rows} more chunk(s) (--chunks N, or --json for all)")
+
+
+def partitions_table(decisions: Sequence[Any]) -> Table:
+    """Per partition of a partitioned table: what the run does with it (drop, detach, delete rows,
+    skip), the rows concerned (estimates) and why."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", title_justify="left")
+    table.title = "partitions"
+    table.add_column("partition")
+    table.add_column("action")
+    table.add_column("rows", justify="right")
+    table.add_column("chunks", justify="right")
+    table.add_column("why")
+    for d in decisions:
+        style = {"drop": "red", "detach": "yellow", "skip": "dim"}.get(d.action, "")
+        action = f"[{style}]{d.action}[/]" if style else d.action
+        rows = f"{d.rows:,}" if d.action != "skip" else ""
+        table.add_row(escape(str(d.relation.table)), action, rows, str(d.chunks or ""), escape(d.reason))
+    return table
 
 
 def tenants_text(tenants: Sequence[str] | None) -> str:

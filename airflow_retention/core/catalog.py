@@ -8,7 +8,7 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.identifiers import TableName, quote_ident
+from airflow_retention.core.identifiers import TableName, display_name, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,33 @@ class TargetInfo:
     tenant_type: str | None
     columns: tuple[str, ...]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    partitioned: bool = False
+
+
+_KINDS = {"v": "a view", "m": "a materialized view", "f": "a foreign table", "S": "a sequence", "i": "an index"}
+
+
+def require_privileges(conn: Any, policy: RetentionPolicy, relation: TableName, needed: tuple[str, ...]) -> None:
+    """Fail at once, before anything is deleted, when this role lacks a privilege a statement on
+    ``relation`` will need: ``SELECT``, ``DELETE``, ``INSERT`` or ``ownership`` (DETACH and DROP need it).
+    The message names the privilege and the relation, as a DBA would grant it."""
+    from airflow_retention.core.sql import TABLE_PRIVILEGES
+
+    rows = dbapi.fetch_all(conn, TABLE_PRIVILEGES, {"rel": relation.regclass_literal})
+    if not rows:
+        return
+    user, can_select, can_delete, can_insert, owns = rows[0]
+    have = {"SELECT": can_select, "DELETE": can_delete, "INSERT": can_insert, "ownership": owns}
+    lacking = [p for p in needed if not have[p]]
+    if lacking:
+        what = f"{' and '.join(lacking)} on {relation}"
+        grant = [p for p in lacking if p != "ownership"]
+        hint = f"GRANT {', '.join(grant)} ON {relation.sql} TO {quote_ident(user)}" if grant else ""
+        if "ownership" in lacking:
+            hint += ("; " if hint else "") + f"ALTER TABLE {relation.sql} OWNER TO a role {user} is a member of"
+        raise PermanentError(
+            f"policy {policy.name!r}: insufficient privilege: role {user} lacks {what} ({hint}); nothing was deleted"
+        )
 
 
 def _relation_exists(conn: Any, table: TableName) -> bool:
@@ -61,22 +88,39 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
             f"{where}: table {policy.table} does not exist (or this role cannot see it)"
             f" in connection {policy.conn_id!r}"
         )
+    from airflow_retention.core.sql import RELATION_KIND
+
     rel = {"rel": policy.table.regclass_literal}
+    (kind,) = dbapi.fetch_all(conn, RELATION_KIND, rel)[0]
+    if kind not in ("r", "p"):
+        raise PermanentError(
+            f"{where}: field 'table': {policy.table} is {_KINDS.get(kind, f'a relation of kind {kind!r}')};"
+            " a policy purges a table or a partitioned table"
+        )
+    partitioned = kind == "p"
+    if partitioned and policy.chunk_by == "key":
+        raise PermanentError(
+            f"{where}: field 'chunk_by': {policy.table} is a partitioned table; key chunks need a unique index on"
+            " the key alone, which a partitioned table cannot have: use chunk_by 'block' (chunks per partition)"
+        )
     columns = {name: typ for name, typ, _ in dbapi.fetch_all(conn, _COLUMNS_SQL, rel)}
     ordered = tuple(name for name, _, _ in dbapi.fetch_all(conn, _COLUMNS_SQL, rel))
 
     def column_type(field_name: str, column: str) -> str:
         if column not in columns:
             raise PermanentError(
-                f"{where}: field {field_name!r}: column {column!r} does not exist in {policy.table}"
-                f" (columns: {', '.join(ordered)})"
+                f"{where}: field {field_name!r}: column {display_name(column)} does not exist in {policy.table}"
+                f" (columns: {', '.join(display_name(c) for c in ordered)})"
             )
         return columns[column]
 
-    key_type = column_type("key_column", policy.key_column)
-    if key_type not in _INTEGER_TYPES:
+    by_key = policy.chunk_by == "key"
+    key_type = column_type("key_column", policy.key_column) if policy.key_column is not None else None
+    if by_key and key_type not in _INTEGER_TYPES:
         raise PermanentError(
-            f"{where}: field 'key_column': column {policy.key_column!r} is {key_type}; it must be an integer or bigint"
+            f"{where}: field 'key_column': column {display_name(str(policy.key_column))} is {key_type}; chunk_by"
+            " 'key' needs an integer or bigint key: use chunk_by 'block', which needs no key (uuid, text,"
+            " composite or no key at all)"
         )
     ts_type = column_type("timestamp_column", policy.timestamp_column)
     if ts_type not in _TIMESTAMP_TYPES:
@@ -87,10 +131,11 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
     tenant_type = column_type("tenant_column", policy.tenant_column) if policy.tenant_column else None
 
     indexes = dbapi.fetch_all(conn, _INDEXES_SQL, rel)
-    if not any(unique and nkeys == 1 and cols == [policy.key_column] for unique, nkeys, cols in indexes):
+    if by_key and not any(unique and nkeys == 1 and cols == [policy.key_column] for unique, nkeys, cols in indexes):
         raise PermanentError(
-            f"{where}: field 'key_column': column {policy.key_column!r} of {policy.table} has no unique index;"
-            " the key must be unique and indexed (a primary key or a unique index on that column alone)"
+            f"{where}: field 'key_column': column {display_name(str(policy.key_column))} of {policy.table} has no"
+            " unique index; with chunk_by 'key' the key must be unique and indexed (a primary key or a unique"
+            " index on that column alone); chunk_by 'block' needs no key"
         )
     warnings: list[str] = []
     leading = {cols[0] for _, _, cols in indexes if cols}
@@ -100,14 +145,17 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
             f" whole table; create one: CREATE INDEX CONCURRENTLY ON {policy.table.sql}"
             f" ({quote_ident(policy.timestamp_column)})"
         )
-    if policy.tenant_column and not any(
-        cols[:2] == [policy.tenant_column, policy.key_column] for _, _, cols in indexes
+    if (
+        by_key
+        and policy.tenant_column
+        and not any(cols[:2] == [policy.tenant_column, policy.key_column] for _, _, cols in indexes)
     ):
         warnings.append(
-            f"{where}: no index on ({policy.tenant_column}, {policy.key_column}) on {policy.table}: chunk"
+            f"{where}: no index on ({display_name(policy.tenant_column)}, {display_name(str(policy.key_column))})"
+            f" on {policy.table}: chunk"
             " boundaries and batches of one tenant scan other tenants' rows; create one: CREATE INDEX"
             f" CONCURRENTLY ON {policy.table.sql} ({quote_ident(policy.tenant_column)},"
-            f" {quote_ident(policy.key_column)})"
+            f" {quote_ident(str(policy.key_column))})"
         )
     for message in warnings:
         log.warning("%s", message)
@@ -140,10 +188,35 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
         tenant_type=tenant_type,
         columns=ordered,
         warnings=tuple(warnings),
+        partitioned=partitioned,
     )
+    # A partitioned table's leaves are checked by the planner (core/partitions.py): rows are deleted there.
+    require_privileges(conn, policy, policy.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
+    if policy.archive_table is not None and not policy.dry_run:
+        require_privileges(conn, policy, policy.archive_table, ("INSERT",))
     if policy.condition:
         _check_condition(conn, policy)
     return info
+
+
+def check_detached_schema(conn: Any, policy: RetentionPolicy) -> None:
+    """``detached_schema`` must exist and take new tables from this role, before anything is detached."""
+    from airflow_retention.core.sql import SCHEMA_STATE
+
+    if policy.detached_schema is None:
+        return
+    rows = dbapi.fetch_all(conn, SCHEMA_STATE, {"s": policy.detached_schema})
+    if not rows:
+        raise PermanentError(
+            f"policy {policy.name!r}: field 'detached_schema': schema {display_name(policy.detached_schema)} does"
+            " not exist; create it (CREATE SCHEMA) or leave detached_schema out; nothing was detached"
+        )
+    if not rows[0][1]:
+        raise PermanentError(
+            f"policy {policy.name!r}: field 'detached_schema': insufficient privilege: this role lacks CREATE on"
+            f" schema {display_name(policy.detached_schema)} (GRANT CREATE ON SCHEMA"
+            f" {quote_ident(policy.detached_schema)} TO …); nothing was detached"
+        )
 
 
 def _check_condition(conn: Any, policy: RetentionPolicy) -> None:

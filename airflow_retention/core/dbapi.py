@@ -70,6 +70,35 @@ def set_local_timeouts(cur: Any, lock_timeout_ms: int, statement_timeout_ms: int
     )
 
 
+def outside_transaction(conn: Any, statement: str, settings: Mapping[str, str] | None = None) -> None:
+    """Run a statement that cannot run inside a transaction block (``VACUUM``, ``DETACH PARTITION …
+    CONCURRENTLY``) in autocommit mode, with session ``settings`` (GUC name → value) for its duration
+    only; errors are translated like any other."""
+    prepare(conn)
+    conn.autocommit = True
+    cur = cursor(conn)
+    try:
+        for name, value in (settings or {}).items():
+            cur.execute("SELECT set_config(%(n)s, %(v)s, false)", {"n": name, "v": value})
+        cur.execute(statement)
+    except Exception as exc:
+        translated = translate(exc)
+        if translated is exc:
+            raise
+        raise translated from exc
+    finally:
+        try:
+            for name in settings or {}:
+                cur.execute("SELECT set_config(%(n)s, NULL, false)", {"n": name})
+        except Exception:  # noqa: BLE001 - the connection may be gone; the original error matters more
+            pass
+        _close_quietly(cur)
+        try:
+            conn.autocommit = False
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def fetch_all(
     conn: Any, sql: str, params: Mapping[str, Any] | None = None, *, lock_timeout_ms: int | None = None
 ) -> list[tuple[Any, ...]]:

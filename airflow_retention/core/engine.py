@@ -30,7 +30,9 @@ from typing import Any
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
+from airflow_retention.core.detach import gone_reason, partition_state, run_partition_chunk
 from airflow_retention.core.errors import PermanentError, RetentionError
+from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
 from airflow_retention.core.pacing import BatchSizer, Throttler
 from airflow_retention.core.policy import RetentionPolicy
@@ -39,6 +41,7 @@ from airflow_retention.core.sql import (
     batch_statement,
     batch_statement_returns_counts,
     batch_walk_statement,
+    lock_statement,
 )
 
 log = logging.getLogger(__name__)
@@ -74,6 +77,7 @@ class ChunkResult:
     backoff_seconds: float = 0.0
     last_batch_size: int | None = None
     resumed_from: int | None = None
+    outcome: str | None = None
     batch_log: list[BatchReport] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -102,6 +106,7 @@ def run_chunk(
     on_batch: Callable[[BatchReport], None] | None = None,
     lone: bool = False,
     sleep: Callable[[float], None] = time.sleep,
+    on_step: Callable[[str], None] | None = None,
 ) -> ChunkResult:
     """Delete the eligible rows of one chunk; safe to call any number of times, from any number of
     processes at once. Raises :class:`RetryableError` (nothing of the failed batch applied; retry
@@ -116,12 +121,15 @@ def run_chunk(
     :param lone: the chunk was not planned: it gets a run of its own (key ``<run key>#lone``) and its
         ledger rows are created here, so it never alters a planned run's expected chunk set.
     :param sleep: how the throttle pauses (tests pass a fake).
+    :param on_step: partition chunks call it at ``"before_detach"`` and ``"after_detach"`` (fault drills).
     """
     cutoff = as_utc(cutoff)
     if chunk.lo >= chunk.hi:
         raise PermanentError(f"chunk {chunk.key}: empty or inverted range [{chunk.lo}, {chunk.hi})")
     if chunk.tenants is not None and policy.tenant_column is None:
         raise PermanentError(f"chunk {chunk.key} names tenants but policy {policy.name!r} has no tenant_column")
+    if (chunk.partition is None) != (chunk.partition_oid is None) or (chunk.action and chunk.partition is None):
+        raise PermanentError(f"chunk {chunk.key}: a partition chunk needs partition, partition_oid and action")
     attempt = attempt or Attempt(host=default_host())
     ledger = ledger or Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
@@ -129,17 +137,20 @@ def run_chunk(
     refuse_future_cutoff(conn, policy, cutoff)
     key = run_key(policy, cutoff, lone=lone)
     _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone)
+    if chunk.action is not None:
+        return _partition_chunk(conn, policy, target, key, chunk, attempt, ledger, cutoff, on_step)
 
-    walk = batch_walk_statement(policy, target, tenant_filter=chunk.tenants is not None)
-    statement = batch_statement(policy, target, tenant_filter=chunk.tenants is not None)
+    by_block = policy.chunk_by == "block"
+    leaf = TableName.parse(chunk.partition) if chunk.partition is not None else None
+    walk = None if by_block else batch_walk_statement(policy, target, tenant_filter=chunk.tenants is not None)
+    statement = batch_statement(policy, target, tenant_filter=chunk.tenants is not None, relation=leaf)
     result = ChunkResult(run_key=key, chunk_key=chunk.key)
     started = time.perf_counter()
     # A new chunk starts where the run's latest batches settled, not from scratch.
     sizer = BatchSizer.for_policy(policy, ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None)
     throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
     params: dict[str, Any] = {"cutoff": cutoff, "hi": chunk.hi}
-    by_block = policy.chunk_by == "block"
-    rows_per_block = _rows_per_block(conn, policy) if by_block else 1.0
+    rows_per_block = _rows_per_block(conn, leaf or policy.table) if by_block else 1.0
     try:
         while True:
             throttler.wait_until_calm(conn)
@@ -150,9 +161,23 @@ def run_chunk(
                 row = ledger.lock_chunk(cur, key, chunk.key)
                 if row is None:
                     raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
-                state, next_key, _, _, _, earlier_deleted, pos = row
+                state, next_key, _, _, _, earlier_deleted, pos = row[:7]
                 if state == "complete":
                     result.already_complete = result.batches == 0
+                    break
+                if leaf is not None and (gone := _leaf_gone(cur, policy, chunk, leaf)) is not None:
+                    # Detached or dropped since planning: its rows are no longer the table's to purge.
+                    log.warning(
+                        "chunk %s: partition %s %s since planning: chunk complete, nothing more to delete there",
+                        chunk.key,
+                        leaf,
+                        gone,
+                    )
+                    outcome = "deleted" if earlier_deleted else "partition_gone"
+                    ledger.complete_chunk(
+                        cur, key, chunk, attempt, outcome=outcome, first_batch_of_attempt=result.batches == 0
+                    )
+                    result.batches += 1
                     break
                 if result.batches == 0:
                     resumed = next_key != chunk.lo or pos
@@ -166,6 +191,7 @@ def run_chunk(
                     cur.execute(statement, {**batch, "lo_tid": f"({next_key},0)", "hi_tid": f"({upper},0)"})
                     full = upper < chunk.hi
                 else:
+                    assert walk is not None
                     cur.execute(walk, batch)
                     extent = cur.fetchone()
                     last_key = int(extent[0]) if extent is not None else chunk.hi - 1
@@ -252,9 +278,74 @@ def run_chunk(
     return result
 
 
-def _rows_per_block(conn: Any, policy: RetentionPolicy) -> float:
+def _leaf_gone(cur: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: TableName) -> str | None:
+    """Why the chunk's leaf partition can no longer be purged (dropped, detached, renamed), or None after
+    locking it for the batch: with ROW EXCLUSIVE held, a concurrent DETACH cannot finish mid-batch."""
+    assert chunk.partition_oid is not None
+    reason = gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf)
+    if reason is not None:
+        return reason
+    cur.execute(lock_statement(leaf, "ROW EXCLUSIVE"))
+    return gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf)
+
+
+def _partition_chunk(
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    key: str,
+    chunk: ChunkSpec,
+    attempt: Attempt,
+    ledger: Ledger,
+    cutoff: datetime,
+    on_step: Callable[[str], None] | None,
+) -> ChunkResult:
+    result = ChunkResult(run_key=key, chunk_key=chunk.key)
+    started = time.perf_counter()
+    try:
+        outcome = run_partition_chunk(conn, policy, target, key, chunk, attempt, ledger, cutoff=cutoff, on_step=on_step)
+    except RetentionError as exc:
+        ledger.record_error(conn, key, chunk.key, str(exc), policy.lock_timeout_ms)
+        raise
+    result.seconds = time.perf_counter() - started
+    result.already_complete = outcome.already_complete
+    result.outcome = outcome.outcome or None
+    if policy.dry_run:
+        result.rows_matched = outcome.rows
+    else:
+        result.rows_deleted = outcome.rows
+    if not outcome.already_complete:
+        result.batches = 1
+        result.batch_log.append(
+            BatchReport(
+                lo=chunk.lo,
+                hi=chunk.hi,
+                tenant=None,
+                size=0,
+                deleted=result.rows_deleted,
+                archived=0,
+                matched=result.rows_matched,
+                ms=result.seconds * 1000,
+            )
+        )
+        log.info(
+            "chunk %s: %s %s: %s, %d row(s) (%s) in %.2f s",
+            chunk.key,
+            chunk.action,
+            chunk.partition,
+            outcome.outcome,
+            outcome.rows,
+            outcome.how,
+            result.seconds,
+        )
+    else:
+        log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
+    return result
+
+
+def _rows_per_block(conn: Any, relation: TableName) -> float:
     """The table's rows per block by the server's estimate, to turn a batch size into blocks."""
-    blocks, reltuples, _ = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": policy.table.regclass_literal})[0]
+    blocks, reltuples, _ = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": relation.regclass_literal})[0]
     if not blocks or reltuples is None or reltuples <= 0:
         return 50.0  # never analysed: a guess, corrected by the adaptive batch size
     return max(1.0, float(reltuples) / float(blocks))
@@ -298,10 +389,12 @@ def _ensure_chunk_row(
             f"chunk {chunk.key} is not in the ledger's plan of run {key}: the run was never planned, or its"
             " ledger rows were deleted. Re-plan the run (clear its plan task), or run the chunk as a lone chunk"
         )
-    _, _, lo, hi, tenants, _, _ = stored
-    if (lo, hi) != (chunk.lo, chunk.hi) or (tuple(tenants) if tenants is not None else None) != chunk.tenants:
+    _, _, lo, hi, tenants, _, _, partition, partition_oid, action, _ = stored
+    recorded = (lo, hi, tuple(tenants) if tenants is not None else None, partition, partition_oid, action)
+    if recorded != (chunk.lo, chunk.hi, chunk.tenants, chunk.partition, chunk.partition_oid, chunk.action):
         raise PermanentError(
-            f"chunk key {chunk.key!r} of run {key} is recorded with tenants {tenants} and range [{lo}, {hi}),"
-            f" not {chunk.tenants} [{chunk.lo}, {chunk.hi}); chunk keys must identify one range"
+            f"chunk key {chunk.key!r} of run {key} is recorded with tenants {tenants} and range [{lo}, {hi})"
+            f" (partition {partition}, action {action}), not {chunk.tenants} [{chunk.lo}, {chunk.hi})"
+            f" (partition {chunk.partition}, action {chunk.action}); chunk keys must identify one range"
         )
     log.debug("chunk %s of run %s (cutoff %s) is in the ledger", chunk.key, key, format_cutoff(cutoff))

@@ -14,10 +14,10 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.identifiers import quote_ident
+from airflow_retention.core.identifiers import TableName, check_ident, display_name, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Each step moves the ledger from version N-1 to N. Steps only ever get appended.
 _MIGRATIONS: dict[int, str] = {
@@ -92,6 +92,21 @@ ALTER TABLE {s}.chunks
     ADD COLUMN IF NOT EXISTS backoffs integer NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS backoff_seconds double precision NOT NULL DEFAULT 0;
 """,
+    # Partitioned tables: a chunk names its partition (block ranges of a leaf, or a whole partition
+    # detached or dropped); partition chunks record when their detach began and what became of them.
+    3: """
+ALTER TABLE {s}.chunks
+    ADD COLUMN IF NOT EXISTS partition text,
+    ADD COLUMN IF NOT EXISTS partition_oid bigint,
+    ADD COLUMN IF NOT EXISTS action text,
+    ADD COLUMN IF NOT EXISTS action_started_at timestamptz;
+ALTER TABLE {s}.chunks DROP CONSTRAINT IF EXISTS chunks_outcome_check;
+ALTER TABLE {s}.chunks DROP CONSTRAINT IF EXISTS chunks_action_check;
+ALTER TABLE {s}.chunks
+    ADD CONSTRAINT chunks_outcome_check CHECK (outcome IN ('deleted', 'nothing_to_delete', 'dry_run', 'detached',
+        'dropped', 'kept', 'partition_gone')),
+    ADD CONSTRAINT chunks_action_check CHECK (action IN ('detach', 'drop'));
+""",
 }
 
 
@@ -115,8 +130,8 @@ class Ledger:
     """Statements on the ledger tables of one schema."""
 
     def __init__(self, schema: str = "retention") -> None:
-        self.schema = schema
-        self.s = quote_ident(schema)
+        self.schema = check_ident(schema)
+        self.s = quote_ident(self.schema)
 
     # -- creation and migration -------------------------------------------------------------------
 
@@ -210,11 +225,16 @@ class Ledger:
 
     def insert_chunk(self, cur: Any, run_key: str, chunk: ChunkSpec) -> None:
         cur.execute(
-            f"INSERT INTO {self.s}.chunks (run_key, chunk_key, seq, tenants, lo, hi, rows_planned, next_key)"
+            f"INSERT INTO {self.s}.chunks (run_key, chunk_key, seq, tenants, lo, hi, rows_planned, next_key,"
+            " partition, partition_oid, action)"
             " VALUES (%(run_key)s, %(key)s, %(seq)s::integer, %(tenants)s::text[], %(lo)s::bigint,"
-            " %(hi)s::bigint, %(rows)s::bigint, %(lo)s::bigint)"
+            " %(hi)s::bigint, %(rows)s::bigint, %(lo)s::bigint, %(partition)s::text, %(oid)s::bigint,"
+            " %(action)s::text)"
             " ON CONFLICT (run_key, chunk_key) DO NOTHING",
             {
+                "partition": chunk.partition,
+                "oid": chunk.partition_oid,
+                "action": chunk.action,
                 "run_key": run_key,
                 "key": chunk.key,
                 "seq": chunk.seq,
@@ -232,13 +252,23 @@ class Ledger:
     def stored_plan(self, conn: Any, run_key: str) -> list[ChunkSpec]:
         rows = dbapi.fetch_all(
             conn,
-            f"SELECT chunk_key, seq, tenants, lo, hi, rows_planned FROM {self.s}.chunks"
-            " WHERE run_key = %(k)s ORDER BY seq NULLS LAST, chunk_key",
+            f"SELECT chunk_key, seq, tenants, lo, hi, rows_planned, partition, partition_oid, action"
+            f" FROM {self.s}.chunks WHERE run_key = %(k)s ORDER BY seq NULLS LAST, chunk_key",
             {"k": run_key},
         )
         return [
-            ChunkSpec(key=k, seq=seq, tenants=tuple(t) if t is not None else None, lo=lo, hi=hi, rows_planned=n)
-            for k, seq, t, lo, hi, n in rows
+            ChunkSpec(
+                key=k,
+                seq=seq,
+                tenants=tuple(t) if t is not None else None,
+                lo=lo,
+                hi=hi,
+                rows_planned=n,
+                partition=part,
+                partition_oid=oid,
+                action=action,
+            )
+            for k, seq, t, lo, hi, n, part, oid, action in rows
         ]
 
     def chunk_rows(self, conn: Any, run_key: str) -> list[dict[str, Any]]:
@@ -336,8 +366,9 @@ class Ledger:
 
     def lock_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
         """Lock the chunk's row for the rest of the transaction: attempts of one chunk serialise here.
-        Returns (state, next_key, lo, hi, tenants, rows_deleted, tenant_pos) or None when there is no
-        such row. ``tenant_pos`` is the index of the tenant a packed chunk is working on."""
+        Returns (state, next_key, lo, hi, tenants, rows_deleted, tenant_pos, partition, partition_oid,
+        action, action_started_at) or None when there is no such row. ``tenant_pos`` is the index of the
+        tenant a packed chunk is working on."""
         return self._chunk_row(cur, run_key, chunk_key, " FOR UPDATE")
 
     def read_chunk(self, cur: Any, run_key: str, chunk_key: str) -> tuple[Any, ...] | None:
@@ -346,8 +377,8 @@ class Ledger:
 
     def _chunk_row(self, cur: Any, run_key: str, chunk_key: str, locking: str) -> tuple[Any, ...] | None:
         cur.execute(
-            f"SELECT state, next_key, lo, hi, tenants, rows_deleted, tenant_pos FROM {self.s}.chunks"
-            f" WHERE run_key = %(r)s AND chunk_key = %(c)s{locking}",
+            "SELECT state, next_key, lo, hi, tenants, rows_deleted, tenant_pos, partition, partition_oid, action,"
+            f" action_started_at FROM {self.s}.chunks WHERE run_key = %(r)s AND chunk_key = %(c)s{locking}",
             {"r": run_key, "c": chunk_key},
         )
         return cur.fetchone()
@@ -420,6 +451,48 @@ class Ledger:
             # Impossible while we hold the row lock; refuse to commit a batch the ledger did not record.
             raise PermanentError(f"chunk {chunk_key} of run {run_key} vanished or completed under its lock")
 
+    def complete_chunk(
+        self,
+        cur: Any,
+        run_key: str,
+        chunk: ChunkSpec,
+        attempt: Attempt,
+        *,
+        outcome: str,
+        deleted: int = 0,
+        matched: int = 0,
+        first_batch_of_attempt: bool = True,
+    ) -> None:
+        """Complete a chunk in one step, not by batches: a partition detached, dropped or counted (dry
+        run), or a partition that is gone or kept."""
+        self.record_batch(
+            cur,
+            run_key,
+            chunk.key,
+            next_key=chunk.hi,
+            tenant_pos=0,
+            batch_size=0,
+            backoffs=0,
+            backoff_seconds=0.0,
+            deleted=deleted,
+            archived=0,
+            matched=matched,
+            complete=True,
+            outcome=outcome,
+            attempt=attempt,
+            first_batch_of_attempt=first_batch_of_attempt,
+        )
+
+    def start_action(self, cur: Any, run_key: str, chunk_key: str, attempt: Attempt) -> None:
+        """Record, before a partition's ``DETACH … CONCURRENTLY`` begins, that this chunk is detaching it:
+        a retry that finds the partition detached then knows the detach was its own."""
+        cur.execute(
+            f"UPDATE {self.s}.chunks SET action_started_at = coalesce(action_started_at, clock_timestamp()),"
+            " state = 'running', attempts = attempts + 1, first_started_at = coalesce(first_started_at, now()),"
+            " last_host = %(host)s::text WHERE run_key = %(r)s AND chunk_key = %(c)s AND state <> 'complete'",
+            {"r": run_key, "c": chunk_key, "host": attempt.host},
+        )
+
     def record_error(
         self,
         conn: Any,
@@ -460,11 +533,20 @@ class ChunkSpec:
     tenants: tuple[str, ...] | None = None
     seq: int | None = None
     rows_planned: int | None = None
+    partition: str | None = None
+    partition_oid: int | None = None
+    action: str | None = None
 
     def label(self) -> str:
-        """What the Airflow UI shows for the mapped task: "tenant 7 · ids 120000-130000"."""
-        if self.key.startswith(BLOCK_CHUNK_PREFIX):
-            return f"blocks {self.lo}-{self.hi - 1}"
+        """What the Airflow UI shows for the mapped task: "tenant 7 · ids 120000-130000",
+        "events_2026_05 · blocks 0-8191", "drop events_2026_04 · 4,321,000 rows"."""
+        leaf = TableName.parse(self.partition).name if self.partition else None
+        if self.action is not None:
+            rows = f" · {self.rows_planned:,} rows" if self.rows_planned is not None else ""
+            return f"{self.action} {display_name(leaf or '?')}{rows}"
+        if self.key.startswith(BLOCK_CHUNK_PREFIX) or self.partition is not None:
+            blocks = f"blocks {self.lo}-{self.hi - 1}"
+            return f"{display_name(leaf)} · {blocks}" if leaf else blocks
         ids = f"ids {self.lo}-{self.hi - 1}"
         if self.tenants is None:
             return ids
@@ -524,6 +606,7 @@ _CHUNK_FIELDS = (
     "rows_deleted", "rows_archived", "rows_matched", "batches", "attempts", "first_started_at",
     "last_batch_at", "completed_at", "completed_dag_id", "completed_run_id", "completed_map_index",
     "completed_try_number", "completed_host", "last_host", "outcome", "last_error", "tenant_pos",
-    "last_batch_size", "min_batch_size", "max_batch_size", "backoffs", "backoff_seconds",
+    "last_batch_size", "min_batch_size", "max_batch_size", "backoffs", "backoff_seconds", "partition",
+    "partition_oid", "action", "action_started_at",
 )  # fmt: skip
 _CHUNK_COLUMNS = ", ".join(_CHUNK_FIELDS)

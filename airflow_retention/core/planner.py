@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -19,7 +19,9 @@ from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.partitions import PartitionDecision
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
     BLOCK_COUNT,
@@ -72,6 +74,12 @@ class Plan:
                 "hi": c.hi,
                 "tenants": list(c.tenants) if c.tenants is not None else None,
                 "rows_planned": c.rows_planned,
+                # Only partitioned tables' chunks carry these: the plan of a plain table stays as it was.
+                **(
+                    {"partition": c.partition, "partition_oid": c.partition_oid, "action": c.action}
+                    if c.partition is not None
+                    else {}
+                ),
             }
             for c in self.chunks
         ]
@@ -254,6 +262,7 @@ class Preview:
     chunk_rows: int
     tenant_groups: int
     null_timestamps: int
+    partitions: list[PartitionDecision] = field(default_factory=list)
 
 
 def compute_plan(
@@ -271,6 +280,15 @@ def compute_plan(
     dbapi.prepare(conn)
     target = target or inspect_target(conn, policy)
     refuse_future_cutoff(conn, policy, cutoff)
+    if target.partitioned:
+        return _plan_partitioned(conn, policy, target, cutoff, max_chunks)
+    if policy.expired_partitions != "delete":
+        log.warning(
+            "policy %s: expired_partitions %r has no effect: %s is not a partitioned table",
+            policy.name,
+            policy.expired_partitions,
+            policy.table,
+        )
     if policy.chunk_by == "block":
         return _plan_blocks(conn, policy, target, cutoff, max_chunks)
     groups = read_groups(conn, policy, target, cutoff)
@@ -316,31 +334,15 @@ def _plan_blocks(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff:
     whatever the sample saw (blocks added later hold rows newer than the cutoff, or wait for the next
     run). ``rows_planned`` are estimates."""
     (blocks, reltuples, server) = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": policy.table.regclass_literal})[0]
-    if server < MIN_TID_RANGE_SERVER:
-        raise PermanentError(
-            f"policy {policy.name!r}: chunk_by 'block' needs PostgreSQL 14 or later (TID range scans);"
-            f" this server is {server // 10000}: use chunk_by 'key'"
-        )
+    _require_tid_ranges(policy, server)
     blocks = int(blocks)
-    percent = 100.0 if reltuples <= 0 else min(100.0, max(0.01, 100.0 * BLOCK_SAMPLE_ROWS / reltuples))
-    sampled = dbapi.fetch_all(
-        conn,
-        block_sample_statement(policy, target),
-        {"cutoff": cutoff, "percent": percent},
-        lock_timeout_ms=policy.lock_timeout_ms,
-    )
-    scale = 100.0 / percent
-    estimate = round(sum(int(n) for _, n in sampled) * scale)
+    percent, scale, sampled = sample_blocks(conn, policy, target, cutoff, policy.table, reltuples)
+    estimate = round(sum(n for _, n in sampled) * scale)
     size = max(policy.chunk_rows, math.ceil(estimate / max_chunks))
-    chunks: list[ChunkSpec] = []
-    lo, acc = 0, 0.0
-    for block, count in sampled:
-        acc += int(count) * scale
-        if acc >= size and int(block) + 1 < blocks and len(chunks) + 1 < max_chunks:
-            chunks.append(_block_spec(lo, int(block) + 1, round(acc), len(chunks)))
-            lo, acc = int(block) + 1, 0.0
-    if blocks > lo:
-        chunks.append(_block_spec(lo, blocks, round(acc), len(chunks)))
+    chunks = [
+        _block_spec(lo, hi, rows, seq)
+        for seq, (lo, hi, rows) in enumerate(block_ranges(sampled, scale, blocks, size, max_ranges=max_chunks))
+    ]
     log.info(
         "policy %s: %d block(s); a %.2f %% sample estimates %d eligible row(s): %d chunk(s) of block ranges",
         policy.name,
@@ -360,8 +362,126 @@ def _plan_blocks(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff:
     )
 
 
-def _block_spec(lo: int, hi: int, rows: int, seq: int) -> ChunkSpec:
-    return ChunkSpec(key=f"{BLOCK_CHUNK_PREFIX}{lo}-{hi}", lo=lo, hi=hi, tenants=None, seq=seq, rows_planned=rows)
+def _require_tid_ranges(policy: RetentionPolicy, server: int) -> None:
+    if server < MIN_TID_RANGE_SERVER:
+        raise PermanentError(
+            f"policy {policy.name!r}: chunk_by 'block' needs PostgreSQL 14 or later (TID range scans);"
+            f" this server is {server // 10000}: use chunk_by 'key'"
+        )
+
+
+def sample_blocks(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, relation: TableName, reltuples: float
+) -> tuple[float, float, list[tuple[int, int]]]:
+    """Eligible rows per block of ``relation`` in a repeatable sample of about :data:`BLOCK_SAMPLE_ROWS`
+    rows (all of a small or never analysed table): (percent sampled, scale to the whole, sample)."""
+    percent = 100.0 if reltuples <= 0 else min(100.0, max(0.01, 100.0 * BLOCK_SAMPLE_ROWS / reltuples))
+    sampled = dbapi.fetch_all(
+        conn,
+        block_sample_statement(policy, target, relation),
+        {"cutoff": cutoff, "percent": percent},
+        lock_timeout_ms=policy.lock_timeout_ms,
+    )
+    return percent, 100.0 / percent, [(int(b), int(n)) for b, n in sampled]
+
+
+def block_ranges(
+    sampled: list[tuple[int, int]], scale: float, blocks: int, size: int, *, max_ranges: int | None = None
+) -> list[tuple[int, int, int]]:
+    """Consecutive block ranges (lo, hi, estimated eligible rows) of about ``size`` rows each by the
+    sample, together covering blocks 0 to ``blocks``: no eligible row falls between two ranges."""
+    ranges: list[tuple[int, int, int]] = []
+    lo, acc = 0, 0.0
+    for block, count in sampled:
+        acc += count * scale
+        if acc >= size and block + 1 < blocks and (max_ranges is None or len(ranges) + 1 < max_ranges):
+            ranges.append((lo, block + 1, round(acc)))
+            lo, acc = block + 1, 0.0
+    if blocks > lo:
+        ranges.append((lo, blocks, round(acc)))
+    return ranges
+
+
+def _block_spec(
+    lo: int, hi: int, rows: int, seq: int, *, partition: TableName | None = None, partition_oid: int | None = None
+) -> ChunkSpec:
+    key = f"{BLOCK_CHUNK_PREFIX}{lo}-{hi}" + (f"@{partition}" if partition is not None else "")
+    return ChunkSpec(
+        key=key,
+        lo=lo,
+        hi=hi,
+        tenants=None,
+        seq=seq,
+        rows_planned=rows,
+        partition=str(partition) if partition is not None else None,
+        partition_oid=partition_oid,
+    )
+
+
+def _plan_partitioned(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, max_chunks: int
+) -> Preview:
+    """Partition chunks for the wholly expired partitions (``expired_partitions: detach | drop``), then
+    block chunks per leaf for the rest (:mod:`partitions`)."""
+    from airflow_retention.core.partitions import fit, survey
+
+    (server,) = dbapi.fetch_all(conn, "SELECT current_setting('server_version_num')::integer")[0]
+    _require_tid_ranges(policy, server)
+    survey_ = survey(conn, policy, target, cutoff)
+    actions = survey_.actions[:max_chunks]
+    leaves = survey_.row_leaves
+    budget = max_chunks - len(actions)
+    if len(survey_.actions) > len(actions) or len(leaves) > budget:
+        log.warning(
+            "policy %s: %d partition(s) to %s and %d with rows to delete need more than %d chunks (Airflow's"
+            " [core] max_map_length); the first %d of each are planned, the rest wait for the next run",
+            policy.name,
+            len(survey_.actions),
+            policy.expired_partitions,
+            len(leaves),
+            max_chunks,
+            max(budget, 0),
+        )
+        leaves = leaves[: max(budget, 0)]
+    chunks: list[ChunkSpec] = []
+    for unit in actions:
+        rows = next(d.rows for d in survey_.decisions if d.relation.oid == unit.oid and d.action != "skip")
+        chunks.append(
+            ChunkSpec(
+                key=f"{policy.expired_partitions}:{unit.table}",
+                lo=0,
+                hi=1,
+                seq=len(chunks),
+                rows_planned=rows,
+                partition=str(unit.table),
+                partition_oid=unit.oid,
+                action=policy.expired_partitions,
+            )
+        )
+    size, ranges = fit(leaves, policy.chunk_rows, budget) if leaves else (policy.chunk_rows, [])
+    for leaf, leaf_ranges in zip(leaves, ranges, strict=True):
+        for lo, hi, rows in leaf_ranges:
+            chunks.append(
+                _block_spec(lo, hi, rows, len(chunks), partition=leaf.relation.table, partition_oid=leaf.relation.oid)
+            )
+    decisions = [
+        PartitionDecision(d.relation, d.action, d.rows, d.reason, chunks=_chunk_count(d, chunks))
+        for d in survey_.decisions
+    ]
+    return Preview(
+        run_key=run_key(policy, cutoff),
+        cutoff=cutoff,
+        chunks=chunks,
+        rows_planned=sum(c.rows_planned or 0 for c in chunks),
+        chunk_rows=size,
+        tenant_groups=0,
+        null_timestamps=warn_null_timestamps(conn, policy),
+        partitions=decisions,
+    )
+
+
+def _chunk_count(decision: PartitionDecision, chunks: list[ChunkSpec]) -> int:
+    return sum(1 for c in chunks if c.partition_oid == decision.relation.oid)
 
 
 def plan_run(

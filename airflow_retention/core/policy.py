@@ -12,7 +12,7 @@ from typing import Any
 
 from airflow_retention.core.durations import Retention, parse_timeout_ms
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.identifiers import TableName, check_ident
+from airflow_retention.core.identifiers import TableName, check_ident, display_name
 
 MIN_BATCH_SIZE = 1
 MAX_BATCH_SIZE = 1_000_000
@@ -23,6 +23,9 @@ _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 DEFAULT_START_DATE = datetime(2025, 1, 1, tzinfo=timezone.utc)
 # The DAG of policy ``p`` built by the DAG factory is ``retention_<p>``.
 DAG_ID_PREFIX = "retention_"
+CHUNK_BY = ("key", "block")
+# What happens to a partition whose whole range is expired (docs/policies.md).
+EXPIRED_PARTITIONS = ("delete", "detach", "drop")
 
 
 @dataclass(frozen=True)
@@ -125,23 +128,34 @@ def check_probe(probe: object) -> str:
     return probe.strip().rstrip(";")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RetentionPolicy:
     """One retention rule: which rows of which table expire, and how to delete them.
 
     :param name: the policy's identity, a slug (``[a-z][a-z0-9_]*``); used in run keys and DAG ids.
     :param conn_id: the Airflow Postgres connection of the target database.
-    :param table: the target table, optionally schema-qualified (``schema.table``); taken literally.
-    :param key_column: a unique, indexed integer or bigint column; chunks and batches are ranges of it.
+    :param table: the target table, optionally schema-qualified (``schema.table``); taken literally, or
+        written SQL-quoted when a name holds a dot or a quote (``'"Tenant Data"."order"'``). A plain
+        or a declaratively partitioned table.
     :param timestamp_column: the timestamptz (or timestamp, read as UTC) column compared with the cutoff.
     :param retention: how long rows are kept: ``"90 days"``, ``"P90D"``, ``"1 year"`` or a timedelta.
+    :param key_column: with ``chunk_by: key`` (required there), a unique, indexed integer or bigint
+        column: chunks and batches are ranges of it. With ``chunk_by: block`` optional and of any type.
     :param condition: extra eligibility, trusted SQL written by the DAG author, re-checked by every
         DELETE and wrapped in parentheses. Never build it from user input.
     :param tenant_column: plan chunks per tenant of this column.
-    :param chunk_by: ``"key"`` (default): chunks and batches are ranges of ``key_column``, per tenant with
-        a tenant column. ``"block"``: ranges of the table's physical blocks (``ctid``), read in order
-        like a sequential scan; no counting scan at planning (a sample estimates the eligible rows) and
-        no tenant column. For big append-mostly tables (logs, events); needs PostgreSQL 14+.
+    :param chunk_by: ``"block"`` (the default without a tenant column): chunks and batches are ranges of
+        the table's physical blocks (``ctid``, per leaf partition of a partitioned table), read in order
+        like a sequential scan; no key needed, no counting scan at planning (a sample estimates the
+        eligible rows); needs PostgreSQL 14+. ``"key"`` (the default with a tenant column): ranges of
+        ``key_column``, per tenant with a tenant column, counted exactly at planning.
+    :param expired_partitions: what becomes of a leaf partition of a partitioned table whose whole
+        range of ``timestamp_column`` is before the cutoff: ``"delete"`` (default: its rows are deleted
+        in batches like any other), ``"detach"`` (``DETACH PARTITION … CONCURRENTLY``, the table is
+        kept) or ``"drop"`` (detached, then dropped). With a ``condition`` a partition is detached or
+        dropped only when a check under lock proves every row of it eligible.
+    :param detached_schema: with ``expired_partitions: detach``, move each detached partition into
+        this (existing) schema.
     :param batch_size: keys per batch transaction (every row of the batch's key range, eligible or not),
         and the first batch's size when batches adapt; 1 to 1,000,000.
     :param target_batch_ms: (YAML ``target_batch_time``) adapt the batch size so that a batch transaction
@@ -176,12 +190,14 @@ class RetentionPolicy:
     name: str
     conn_id: str
     table: TableName
-    key_column: str
     timestamp_column: str
     retention: Retention
+    key_column: str | None = None
     condition: str | None = None
     tenant_column: str | None = None
-    chunk_by: str = "key"
+    chunk_by: str | None = None
+    expired_partitions: str = "delete"
+    detached_schema: str | None = None
     batch_size: int = 5000
     target_batch_ms: int = 200
     min_batch_size: int | None = None
@@ -236,12 +252,17 @@ class RetentionPolicy:
         """A Markdown description of the policy and its cutoff rule, for ``doc_md`` and logs."""
         rows = [
             ("table", f"`{self.table}`"),
-            ("key column", f"`{self.key_column}`"),
-            ("timestamp column", f"`{self.timestamp_column}`"),
+            ("key column", f"`{display_name(self.key_column)}`" if self.key_column else "none"),
+            ("timestamp column", f"`{display_name(self.timestamp_column)}`"),
             ("retention", str(self.retention)),
             ("condition", f"`{self.condition}`" if self.condition else "none"),
-            ("tenant column", f"`{self.tenant_column}`" if self.tenant_column else "none"),
+            ("tenant column", f"`{display_name(self.tenant_column)}`" if self.tenant_column else "none"),
             ("chunks by", "key ranges" if self.chunk_by == "key" else "block ranges (physical order)"),
+            (
+                "whole expired partitions",
+                self.expired_partitions
+                + (f" into schema `{display_name(self.detached_schema)}`" if self.detached_schema else ""),
+            ),
             ("batch size / chunk rows", f"{self.batch_size:,} / {self.chunk_rows:,}"),
             (
                 "adaptive batches",
@@ -263,14 +284,14 @@ class RetentionPolicy:
             + table
             + "\n\n**Cutoff rule.** Each run freezes one cutoff: the run's data interval end (else its logical"
             f" date, else its `run_after`) minus {self.retention}, in UTC. A row is deleted when"
-            f" `{self.timestamp_column}` < cutoff"
+            f" `{display_name(self.timestamp_column)}` < cutoff"
             + (" and the condition holds" if self.condition else "")
             + " at the moment of the DELETE. Runs of the same date share the cutoff and the ledger entry,"
             " so re-running or backfilling a date is harmless.\n"
         )
 
 
-_REQUIRED = ("name", "conn_id", "table", "key_column", "timestamp_column", "retention")
+_REQUIRED = ("name", "conn_id", "table", "timestamp_column", "retention")
 _RENAMED = {
     "lock_timeout": "lock_timeout_ms",
     "statement_timeout": "statement_timeout_ms",
@@ -304,21 +325,38 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
     if not isinstance(policy.conn_id, str) or not policy.conn_id.strip():
         raise fail("conn_id", "must be a non-empty connection id")
     out["table"] = convert("table", TableName.parse, policy.table)
-    for col in ("key_column", "timestamp_column"):
-        out[col] = convert(col, check_ident, getattr(policy, col))
-    if policy.tenant_column is not None:
-        out["tenant_column"] = convert("tenant_column", check_ident, policy.tenant_column)
-    if out["timestamp_column"] == out["key_column"]:
+    out["timestamp_column"] = convert("timestamp_column", check_ident, policy.timestamp_column)
+    for col in ("key_column", "tenant_column"):
+        if getattr(policy, col) is not None:
+            out[col] = convert(col, check_ident, getattr(policy, col))
+    if out.get("key_column") == out["timestamp_column"]:
         raise fail("timestamp_column", "must be another column than key_column")
-    if out.get("tenant_column") in (out["key_column"], out["timestamp_column"]):
+    if "tenant_column" in out and out["tenant_column"] in (out.get("key_column"), out["timestamp_column"]):
         raise fail("tenant_column", "must be another column than key_column and timestamp_column")
-    if policy.chunk_by not in ("key", "block"):
+    # Block chunks are the faster default (docs/performance.md); tenants still need key chunks.
+    chunk_by = policy.chunk_by if policy.chunk_by is not None else ("key" if out.get("tenant_column") else "block")
+    if chunk_by not in CHUNK_BY:
         raise fail("chunk_by", f"must be 'key' or 'block', got {policy.chunk_by!r}")
-    if policy.chunk_by == "block" and out.get("tenant_column"):
+    out["chunk_by"] = chunk_by
+    if chunk_by == "block" and out.get("tenant_column"):
         raise fail(
             "chunk_by",
             "'block' plans by physical position and cannot keep tenants apart: drop tenant_column or use 'key'",
         )
+    if chunk_by == "key" and out.get("key_column") is None:
+        raise fail(
+            "key_column",
+            "is required with chunk_by 'key' (a unique integer column); chunk_by 'block' needs no key",
+        )
+    if policy.expired_partitions not in EXPIRED_PARTITIONS:
+        raise fail("expired_partitions", f"must be 'delete', 'detach' or 'drop', got {policy.expired_partitions!r}")
+    if policy.detached_schema is not None:
+        if policy.expired_partitions != "detach":
+            raise fail(
+                "detached_schema",
+                f"only applies with expired_partitions 'detach' (this policy has {policy.expired_partitions!r})",
+            )
+        out["detached_schema"] = convert("detached_schema", check_ident, policy.detached_schema)
     out["retention"] = convert("retention", Retention.parse, policy.retention)
     if policy.condition is not None:
         out["condition"] = convert("condition", check_condition, policy.condition)
@@ -343,6 +381,12 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
         out["archive_table"] = convert("archive_table", TableName.parse, policy.archive_table)
         if out["archive_table"] == out["table"]:
             raise fail("archive_table", "must differ from table")
+        if policy.expired_partitions == "drop":
+            raise fail(
+                "expired_partitions",
+                "'drop' would drop rows that archive_table should receive: use 'detach' (the detached"
+                " partition is the archive of its rows) or 'delete' (rows move to archive_table)",
+            )
     out["ledger_schema"] = convert("ledger_schema", check_ident, policy.ledger_schema)
     if policy.schedule is not None and (not isinstance(policy.schedule, str) or not policy.schedule.strip()):
         raise fail("schedule", f"must be a cron expression or preset such as '@daily', got {policy.schedule!r}")

@@ -7,7 +7,7 @@ policy's ``condition`` (trusted SQL) is wrapped in parentheses on lines of its o
 from __future__ import annotations
 
 from airflow_retention.core.catalog import TargetInfo
-from airflow_retention.core.identifiers import quote_ident
+from airflow_retention.core.identifiers import TableName, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
 # The whole key space, for statements that are not limited to a chunk. Not -2**63: psycopg2 sends
@@ -31,11 +31,12 @@ def eligibility(
     whose tenant is NULL belongs to no tenant and is never eligible (``null_tenants`` lets the planner
     count them, to warn). ``key_range=False`` leaves out the range (block chunks bound rows by ``ctid``).
     """
-    key = quote_ident(policy.key_column)
     ts = quote_ident(policy.timestamp_column)
-    cutoff = "%(cutoff)s::timestamptz" if target.timestamp_has_tz else "(%(cutoff)s::timestamptz AT TIME ZONE 'UTC')"
-    parts = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"] if key_range else []
-    parts.append(f"{ts} < {cutoff}")
+    parts = []
+    if key_range:
+        key = _key(policy)
+        parts += [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"]
+    parts.append(f"{ts} < {cutoff_value(target)}")
     if tenant_filter:
         parts.append(_one_tenant(policy, target))
     elif policy.tenant_column is not None and not null_tenants:
@@ -44,6 +45,17 @@ def eligibility(
         # Statements built here always travel with parameters: a literal % (LIKE 'a%') must be doubled.
         parts.append(f"(\n{policy.condition.replace('%', '%%')}\n)")
     return "\n  AND ".join(parts)
+
+
+def cutoff_value(target: TargetInfo) -> str:
+    """The ``%(cutoff)s`` parameter as a value of the timestamp column's type (a naive column is UTC)."""
+    return "%(cutoff)s::timestamptz" if target.timestamp_has_tz else "(%(cutoff)s::timestamptz AT TIME ZONE 'UTC')"
+
+
+def _key(policy: RetentionPolicy) -> str:
+    if policy.key_column is None:
+        raise ValueError(f"policy {policy.name!r} has no key_column; key ranges need one")
+    return quote_ident(policy.key_column)
 
 
 def _one_tenant(policy: RetentionPolicy, target: TargetInfo) -> str:
@@ -64,7 +76,7 @@ def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_
     eligible or not, found by walking the key index (an index-only scan). No row means fewer keys were
     left: the batch runs to the end of the range."""
     table = policy.table.sql
-    key = quote_ident(policy.key_column)
+    key = _key(policy)
     walk = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"]
     if tenant_filter:
         walk.append(_one_tenant(policy, target))
@@ -72,7 +84,9 @@ def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_
     return f"SELECT {key} FROM {table}\nWHERE {where}\nORDER BY {key}\nOFFSET %(limit)s::integer - 1 LIMIT 1"
 
 
-def batch_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
+def batch_statement(
+    policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool, relation: TableName | None = None
+) -> str:
     """One batch: a range ``DELETE`` of the eligible rows with keys in ``[lo, upper]`` (the extent found
     by :func:`batch_walk_statement`), re-checking the whole predicate (a row reopened since planning
     survives), optionally moving them to the archive table. A range delete reads each row once, in index
@@ -80,15 +94,16 @@ def batch_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filte
 
     With an archive table or ``dry_run`` it returns one row: rows deleted, rows archived, rows that
     would be deleted (``dry_run``: nothing is deleted, the statement only counts); otherwise it is a
-    plain ``DELETE`` whose row count is the count.
+    plain ``DELETE`` whose row count is the count. Block batches run on ``relation`` (a leaf partition)
+    when given: a TID range only means something on one physical table.
     """
-    table = policy.table.sql
-    key = quote_ident(policy.key_column)
+    table = (relation or policy.table).sql
     if policy.chunk_by == "block":
         # A TID range scan: the batch reads its blocks in order, like a slice of a sequential scan.
         pred = eligibility(policy, target, tenant_filter=False, key_range=False)
         in_batch = "ctid >= %(lo_tid)s::tid AND ctid < %(hi_tid)s::tid\n  AND " + pred
     else:
+        key = _key(policy)
         in_batch = f"{key} <= %(upper)s::bigint\n  AND {eligibility(policy, target, tenant_filter=tenant_filter)}"
     if policy.dry_run:
         return f"SELECT 0::bigint, 0::bigint, (SELECT count(*) FROM {table} WHERE {in_batch})"
@@ -104,12 +119,13 @@ def batch_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filte
     )
 
 
-def block_sample_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
-    """Eligible rows per block in a repeatable sample of ``%(percent)s`` % of the table's blocks: the block
-    planner's estimate of where the eligible rows are, without reading the table."""
+def block_sample_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName | None = None) -> str:
+    """Eligible rows per block in a repeatable sample of ``%(percent)s`` % of the blocks of the table (or
+    of ``relation``, a leaf partition): the block planner's estimate of where the eligible rows are,
+    without reading the table."""
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
     return (
-        f"SELECT (ctid::text::point)[0]::bigint AS block, count(*) FROM {policy.table.sql}"
+        f"SELECT (ctid::text::point)[0]::bigint AS block, count(*) FROM {(relation or policy.table).sql}"
         f" TABLESAMPLE SYSTEM (%(percent)s::float8) REPEATABLE (0)\nWHERE {pred}\nGROUP BY 1 ORDER BY 1"
     )
 
@@ -126,7 +142,7 @@ def group_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
     """Eligible rows per tenant (one group when the policy has no tenant column): tenant as text,
     count, lowest and highest key. Parameters: ``cutoff``, ``lo``, ``hi`` (pass the bigint range)."""
     table = policy.table.sql
-    key = quote_ident(policy.key_column)
+    key = _key(policy)
     pred = eligibility(policy, target, tenant_filter=False, null_tenants=True)
     if policy.tenant_column is None:
         return f"SELECT NULL::text, count(*), min({key}), max({key}) FROM {table}\nWHERE {pred}"
@@ -142,17 +158,18 @@ def boundary_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_fi
     """The key of the ``%(offset)s``-th eligible row at or after ``lo`` (0-based), i.e. the first key of
     the next chunk, found by the server walking the index: the client never holds the keys."""
     table = policy.table.sql
-    key = quote_ident(policy.key_column)
+    key = _key(policy)
     pred = eligibility(policy, target, tenant_filter=tenant_filter)
     return f"SELECT {key} FROM {table}\nWHERE {pred}\nORDER BY {key}\nOFFSET %(offset)s::bigint LIMIT 1"
 
 
 def leftover_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
     """What a run left behind: the oldest eligible timestamp (an index walk on the timestamp) and how
-    many eligible rows remain, counted up to ``%(cap)s``. Parameters: ``cutoff``, ``lo``, ``hi``."""
+    many eligible rows remain, counted up to ``%(cap)s``. Parameters: ``cutoff``, and ``lo``, ``hi``
+    with key chunks."""
     table = policy.table.sql
     ts = quote_ident(policy.timestamp_column)
-    pred = eligibility(policy, target, tenant_filter=False)
+    pred = eligibility(policy, target, tenant_filter=False, key_range=policy.chunk_by == "key")
     return (
         f"SELECT (SELECT {ts} FROM {table} WHERE {pred} ORDER BY {ts} LIMIT 1),\n"
         f"       (SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {pred} LIMIT %(cap)s::bigint) s)"
@@ -178,3 +195,124 @@ def condition_probe(policy: RetentionPolicy) -> str:
     """A statement that makes the server parse and plan the condition without reading a row; it is run
     without parameters, so the condition goes in as written."""
     return f"EXPLAIN SELECT 1 FROM {policy.table.sql} WHERE (\n{policy.condition}\n)"
+
+
+# -- partitioned tables (core/partitions.py plans them, core/detach.py runs partition chunks) ----------
+
+# The relation's kind: 'r' table, 'p' partitioned table, 'v' view, 'f' foreign table, 'm' materialized view.
+RELATION_KIND = "SELECT c.relkind::text FROM pg_catalog.pg_class c WHERE c.oid = %(rel)s::regclass"
+
+# Every relation of a partitioned table's tree, pending detaches included (pg_partition_tree leaves
+# them out): oid, parent oid, level, whether it or an ancestor is pending detach, kind, schema, name,
+# its partition bound, its size in blocks and estimated rows (tables), and, for a partitioned one,
+# its strategy, whether it has a DEFAULT partition and its key column (NULL for an expression or
+# several columns).
+PARTITION_TREE = """
+WITH RECURSIVE tree AS (
+    SELECT c.oid AS relid, NULL::oid AS parent, 0 AS level, false AS pending
+    FROM pg_catalog.pg_class c WHERE c.oid = %(rel)s::regclass
+  UNION ALL
+    SELECT i.inhrelid, i.inhparent, t.level + 1, t.pending OR i.inhdetachpending
+    FROM pg_catalog.pg_inherits i JOIN tree t ON i.inhparent = t.relid
+)
+SELECT t.relid::bigint, t.parent::bigint, t.level, t.pending, c.relkind::text, n.nspname::text, c.relname::text,
+       pg_catalog.pg_get_expr(c.relpartbound, c.oid),
+       CASE WHEN c.relkind = 'r' THEN pg_catalog.pg_relation_size(c.oid) / current_setting('block_size')::bigint END,
+       c.reltuples::float8,
+       p.partstrat::text,
+       coalesce(p.partdefid <> 0, false),
+       (SELECT a.attname::text FROM pg_catalog.pg_attribute a
+        WHERE a.attrelid = p.partrelid AND p.partnatts = 1 AND a.attnum = p.partattrs[0])
+FROM tree t
+JOIN pg_catalog.pg_class c ON c.oid = t.relid
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_catalog.pg_partitioned_table p ON p.partrelid = t.relid
+ORDER BY t.level, n.nspname, c.relname
+"""
+
+
+def bound_check_statement(target: TargetInfo) -> str:
+    """For RANGE bounds on the timestamp column given as text (``%(lows)s``, ``%(highs)s``, NULL for
+    MINVALUE/MAXVALUE): whether the lower bound is at or after the cutoff (no row can be eligible) and
+    whether the upper bound is at or before it (every row is expired by time). The texts come from
+    ``pg_get_expr`` in the same session, so they read back exactly."""
+    typ = "timestamptz" if target.timestamp_has_tz else "timestamp"
+    cutoff = cutoff_value(target)
+    return (
+        f"SELECT coalesce(b.lo::{typ} >= {cutoff}, false), coalesce(b.hi::{typ} <= {cutoff}, false)"
+        " FROM unnest(%(lows)s::text[], %(highs)s::text[]) WITH ORDINALITY AS b(lo, hi, ord) ORDER BY b.ord"
+    )
+
+
+# A partition as it is now, by the oid recorded at planning: schema, name, its parent's oid, schema and
+# name, whether the detach from that parent is pending, whether the parent has a DEFAULT partition, and
+# whether the partition still belongs to the policy's table (``%(root)s``). No row: it was dropped.
+PARTITION_STATE = """
+SELECT n.nspname::text, c.relname::text, i.inhparent::bigint, pn.nspname::text, pc.relname::text,
+       coalesce(i.inhdetachpending, false),
+       coalesce((SELECT p.partdefid <> 0 FROM pg_catalog.pg_partitioned_table p WHERE p.partrelid = i.inhparent),
+                false),
+       i.inhparent IS NOT NULL AND (i.inhparent = %(root)s::regclass
+           OR i.inhparent IN (SELECT relid FROM pg_catalog.pg_partition_tree(%(root)s::regclass)))
+FROM pg_catalog.pg_class c
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_catalog.pg_inherits i ON i.inhrelid = c.oid
+LEFT JOIN pg_catalog.pg_class pc ON pc.oid = i.inhparent
+LEFT JOIN pg_catalog.pg_namespace pn ON pn.oid = pc.relnamespace
+WHERE c.oid = %(oid)s::oid
+"""
+
+
+def detach_statement(parent: TableName, partition: TableName, mode: str) -> str:
+    """``ALTER TABLE parent DETACH PARTITION partition`` with ``mode`` ``CONCURRENTLY``, ``FINALIZE`` or
+    ``""`` (plain: in a transaction, ACCESS EXCLUSIVE on the parent until commit)."""
+    if mode not in ("CONCURRENTLY", "FINALIZE", ""):
+        raise ValueError(f"unknown detach mode {mode!r}")
+    return f"ALTER TABLE {parent.sql} DETACH PARTITION {partition.sql}" + (f" {mode}" if mode else "")
+
+
+def lock_statement(relation: TableName, mode: str) -> str:
+    """``LOCK TABLE`` in one of the two modes the engine takes: ``SHARE`` (writers wait, so a count
+    and a check stay true until commit) or ``ROW EXCLUSIVE`` (what a DELETE takes anyway: a concurrent
+    detach cannot finish while a batch runs)."""
+    if mode not in ("SHARE", "ROW EXCLUSIVE"):
+        raise ValueError(f"unknown lock mode {mode!r}")
+    return f"LOCK TABLE {relation.sql} IN {mode} MODE"
+
+
+def count_statement(relation: TableName) -> str:
+    return f"SELECT count(*) FROM {relation.sql}"
+
+
+def drop_statement(relation: TableName) -> str:
+    return f"DROP TABLE {relation.sql}"
+
+
+def set_schema_statement(relation: TableName, schema: str) -> str:
+    return f"ALTER TABLE {relation.sql} SET SCHEMA {quote_ident(schema)}"
+
+
+def ineligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName) -> str:
+    """Whether ``relation`` holds a row the policy keeps (the condition fails, or is NULL): a partition
+    with such a row must not be detached or dropped. Stops at the first one."""
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    return f"SELECT EXISTS (SELECT 1 FROM {relation.sql} WHERE NOT coalesce((\n  {pred}\n), false))"
+
+
+def eligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName) -> str:
+    """Whether ``relation`` holds an eligible row now (an index walk where there is an index)."""
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    return f"SELECT EXISTS (SELECT 1 FROM {relation.sql} WHERE {pred})"
+
+
+# Privileges of the current role on a relation, by name: has it each table privilege, does it own it.
+TABLE_PRIVILEGES = (
+    "SELECT current_user::text, has_table_privilege(%(rel)s::regclass, 'SELECT'),"
+    " has_table_privilege(%(rel)s::regclass, 'DELETE'), has_table_privilege(%(rel)s::regclass, 'INSERT'),"
+    " pg_has_role(c.relowner, 'USAGE') FROM pg_catalog.pg_class c WHERE c.oid = %(rel)s::regclass"
+)
+
+# Whether a schema exists and the current role may create tables in it.
+SCHEMA_STATE = (
+    "SELECT true, has_schema_privilege(n.oid, 'CREATE') FROM pg_catalog.pg_namespace n WHERE n.nspname = %(s)s"
+)

@@ -134,21 +134,7 @@ def measure_leftovers(
 def vacuum_table(conn: Any, policy: RetentionPolicy) -> None:
     """``VACUUM (ANALYZE)`` the policy's table: outside any transaction, so in autocommit for its
     duration. Needs the table's ownership (PostgreSQL 15); without it PostgreSQL only warns."""
-    dbapi.prepare(conn)
-    conn.autocommit = True
-    try:
-        cur = dbapi.cursor(conn)
-        try:
-            cur.execute(f"VACUUM (ANALYZE) {policy.table.sql}")
-        finally:
-            cur.close()
-    except Exception as exc:
-        translated = dbapi.translate(exc)
-        if translated is exc:
-            raise
-        raise translated from exc
-    finally:
-        conn.autocommit = False
+    dbapi.outside_transaction(conn, f"VACUUM (ANALYZE) {policy.table.sql}")
 
 
 _PRESETS = {

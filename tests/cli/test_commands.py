@@ -72,8 +72,31 @@ def test_plan_counts_chunks_and_writes_nothing_on_a_fresh_database(
     assert data["chunks_count"] == len(data["chunks"]) == 4
     assert [c["seq"] for c in data["chunks"]] == [0, 1, 2, 3]
     assert data["stored_run"] is None
-    assert set(data["chunks"][0]) == {"seq", "chunk_key", "tenants", "lo", "hi", "rows_planned"}
+    assert set(data["chunks"][0]) == {"seq", "chunk_key", "tenants", "lo", "hi", "rows_planned", "partition", "action"}
+    assert data["partitions"] == []
     assert not schema_exists(admin, policy.ledger_schema)
+
+
+def test_plan_lists_each_partition_with_its_action(capsys: Any, admin: Any, schema: str, tmp_path: Path) -> None:
+    from ..core.partition_helpers import EXPIRED_MONTHS, create_monthly
+
+    create_monthly(admin, schema)
+    data = policy_data(schema, chunk_by="block", key_column=None, condition=None, expired_partitions="drop")
+    path = write_policies(tmp_path / "policies.yaml", data)
+    args = ["--policies", str(path), "--dsn", DSN, "plan", "events_purge", "--date", RUN_DATE]
+    result = run_cli(capsys, *args)
+    assert result.code == 0, result.err
+    lines = [line.split() for line in result.out.splitlines()]
+    for month in EXPIRED_MONTHS:
+        assert [f"{schema}.{month}", "drop"] in [line[:2] for line in lines]
+    assert [f"{schema}.m06", "delete", "rows"] in [line[:3] for line in lines]
+    assert [f"{schema}.m07", "skip"] in [line[:2] for line in lines]
+    found = run_cli(capsys, *args, "--json").json()
+    actions = {p["partition"]: (p["action"], p["chunks"]) for p in found["partitions"]}
+    assert actions[f"{schema}.m01"] == ("drop", 1) and actions[f"{schema}.m07"] == ("skip", 0)
+    assert actions[f"{schema}.m06"][0] == "delete rows" and actions[f"{schema}.m06"][1] >= 1
+    assert sum(1 for c in found["chunks"] if c["action"] == "drop") == len(EXPIRED_MONTHS)
+    assert not schema_exists(admin, f"{schema}_ledger")
 
 
 def test_plan_adds_no_run_to_an_existing_ledger_and_names_a_stored_one(

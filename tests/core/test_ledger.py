@@ -162,7 +162,11 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     rows(admin, f"INSERT INTO {s}.ledger_version (version) VALUES (1)")
     with dbapi.transaction(conn) as cur:
         ledger.register_run(cur, _record("p@v1", 2))
-        ledger.insert_chunks(cur, "p@v1", [ChunkSpec("a", 1, 11, seq=0), ChunkSpec("b", 11, 21, seq=1)])
+        # The chunk rows as version 1 wrote them (today's insert names columns v1 did not have).
+        cur.execute(
+            f"INSERT INTO {s}.chunks (run_key, chunk_key, seq, lo, hi, next_key)"
+            " VALUES ('p@v1', 'a', 0, 1, 11, 1), ('p@v1', 'b', 1, 11, 21, 11)"
+        )
     rows(
         admin,
         f"UPDATE {s}.chunks SET state = 'running', next_key = 6, rows_deleted = 4, batches = 1 WHERE chunk_key = 'a'",
@@ -171,8 +175,8 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     old_run = ledger_run(admin, ledger.schema, "p@v1")
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 2
-    assert ledger.version(conn) == 2
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 3
+    assert ledger.version(conn) == 3
     chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     new_columns = {
         "tenant_pos": 0,
@@ -181,11 +185,19 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
         "max_batch_size": None,
         "backoffs": 0,
         "backoff_seconds": 0,
+        "partition": None,
+        "partition_oid": None,
+        "action": None,
+        "action_started_at": None,
     }
     for before, after in zip(old_chunks, chunks, strict=True):
         assert set(after) - set(before) == set(new_columns)
         assert {k: after[k] for k in before} == before  # every old value kept
         assert {k: after[k] for k in new_columns} == new_columns
+    # Step 3 widened the outcome check for partition chunks.
+    rows(admin, f"UPDATE {s}.chunks SET outcome = 'dropped', action = 'drop' WHERE chunk_key = 'b'")
+    with pytest.raises(Exception, match="chunks_action_check"):
+        rows(admin, f"UPDATE {s}.chunks SET action = 'truncate' WHERE chunk_key = 'b'")
     run = ledger_run(admin, ledger.schema, "p@v1")
     assert run is not None and old_run is not None
     assert {k: run[k] for k in old_run} == old_run
@@ -198,9 +210,9 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     }
     # The migrated ledger works with the new code: progress with a tenant position, and read back.
     with dbapi.transaction(conn) as cur:
-        assert ledger.lock_chunk(cur, "p@v1", "a") == ("running", 6, 1, 11, None, 4, 0)
+        assert ledger.lock_chunk(cur, "p@v1", "a")[:7] == ("running", 6, 1, 11, None, 4, 0)
     assert [c["chunk_key"] for c in ledger.chunk_rows(conn, "p@v1")] == ["a", "b"]
-    assert ledger.ensure(conn) == 2  # and it is not migrated twice
+    assert ledger.ensure(conn) == SCHEMA_VERSION  # and it is not migrated twice
     assert scalar(admin, f"SELECT count(*) FROM {s}.ledger_version") == 1
 
 

@@ -28,7 +28,10 @@ BASE: dict[str, Any] = {
     "timestamp_column": "created_at",
     "retention": "90 days",
 }
-INJECTIONS = ["users; drop table x", 'a"b', "x--", "a b", "1abc", "", "a/*b*/", "é"]
+# Valid PostgreSQL names once quoted: a policy takes them literally (tests/core/test_table_shapes.py
+# purges tables named like this). Only what no quoting can hold is refused.
+ODD_NAMES = ["users; drop table x", 'a"b', "x--", "a b", "1abc", "a/*b*/", "é", "Created At"]
+REFUSED_NAMES = ["", "a\x00b", "x" * 64]
 
 
 def build(**fields: Any) -> RetentionPolicy:
@@ -67,7 +70,7 @@ def test_unknown_key_in_defaults_is_refused() -> None:
     assert (info.value.policy, info.value.field) == ("events_purge", "bogus")
 
 
-@pytest.mark.parametrize("missing", ["conn_id", "table", "key_column", "timestamp_column", "retention"])
+@pytest.mark.parametrize("missing", ["conn_id", "table", "timestamp_column", "retention"])
 def test_missing_required_key_is_refused(missing: str) -> None:
     data = {k: v for k, v in BASE.items() if k != missing}
     with pytest.raises(PolicyError) as info:
@@ -82,20 +85,53 @@ def test_bad_name_is_refused(bad: str) -> None:
     assert info.value.field == "name"
 
 
-@pytest.mark.parametrize(
-    "value", [*INJECTIONS, "public.users.extra", "public.", ".users", "public.users; drop table x"]
-)
+def test_key_column_is_optional_with_block_chunks_only() -> None:
+    data = {k: v for k, v in BASE.items() if k != "key_column"}
+    assert RetentionPolicy.from_dict(data).chunk_by == "block"
+    assert RetentionPolicy.from_dict(data).key_column is None
+    with pytest.raises(PolicyError) as info:
+        RetentionPolicy.from_dict({**data, "chunk_by": "key"})
+    assert info.value.field == "key_column" and "chunk_by 'block' needs no key" in str(info.value)
+
+
+def test_chunk_by_defaults_to_block_and_to_key_with_tenants() -> None:
+    assert build().chunk_by == "block"
+    assert build(tenant_column="tenant_id").chunk_by == "key"
+    assert build(chunk_by="key").chunk_by == "key"
+
+
+@pytest.mark.parametrize("value", [*REFUSED_NAMES, "public.users.extra", "public.", ".users", 'public."users', 'a"b.c'])
 def test_bad_table_name_is_refused(value: str) -> None:
     refused("table", table=value)
 
 
+@pytest.mark.parametrize("value", ODD_NAMES)
+def test_odd_table_names_are_taken_literally(value: str) -> None:
+    if '"' not in value:  # a bare name may hold anything but a quote or a dot
+        assert build(table=value).table == TableName(None, value)
+    assert build(table=f'"my schema"."{value.replace(chr(34), 2 * chr(34))}"').table == TableName("my schema", value)
+
+
 @pytest.mark.parametrize("field", ["key_column", "timestamp_column", "tenant_column", "ledger_schema"])
-@pytest.mark.parametrize("value", INJECTIONS)
+@pytest.mark.parametrize("value", REFUSED_NAMES)
 def test_bad_identifier_is_refused(field: str, value: str) -> None:
     refused(field, **{field: value})
 
 
-@pytest.mark.parametrize("value", ["users; drop table x", 'public.a"b', "x--"])
+@pytest.mark.parametrize("field", ["key_column", "timestamp_column", "tenant_column", "ledger_schema"])
+def test_a_quoted_pair_is_not_one_identifier(field: str) -> None:
+    refused(field, **{field: '"a"."b"'})
+
+
+@pytest.mark.parametrize("field", ["key_column", "timestamp_column", "tenant_column", "ledger_schema"])
+@pytest.mark.parametrize("value", ODD_NAMES)
+def test_odd_identifiers_are_taken_literally(field: str, value: str) -> None:
+    assert getattr(build(**{field: value}), field) == value
+    quoted = '"' + value.replace('"', '""') + '"'
+    assert getattr(build(**{field: quoted}), field) == value  # the SQL-quoted spelling means the same
+
+
+@pytest.mark.parametrize("value", ['public."a', "a.b.c", ""])
 def test_bad_archive_table_is_refused(value: str) -> None:
     refused("archive_table", archive_table=value)
 
@@ -301,7 +337,7 @@ policies:
   - {name: bad_one, table: public.b, retention: 30 days, batch_size: 0}
   - {name: good_two, table: public.c, retention: P1Y}
   - {name: good_one, table: public.d, retention: 1 day}
-  - {name: injected, table: "public.x; drop table y", retention: 1 day}
+  - {name: injected, table: 'public."x; drop table y', retention: 1 day}
 """
 
 

@@ -36,19 +36,19 @@ def test_airflow_providers_list_shows_the_package() -> None:
 
 
 def test_example_dags_parse_without_import_errors() -> None:
-    from airflow.dag_processing.dagbag import DagBag
+    from airflow_retention.compat import dagbag
 
-    bag = DagBag(str(REPO / "dags"))
+    bag = dagbag(str(REPO / "dags"))
     assert bag.import_errors == {}
     assert {"retention_webhook_deliveries", "retention_tenant_events", "retention_audit_log"} <= set(bag.dags)
 
 
 def test_a_bad_policy_is_an_import_error_naming_it_while_the_others_load(tmp_path: Path) -> None:
-    from airflow.dag_processing.dagbag import DagBag
+    from airflow_retention.compat import dagbag
 
     text = (REPO / "dags" / "retention_policies.yaml").read_text()
     broken = text.replace("retention: 90 days", "retention: 0 days").replace(
-        "key_column: id\n    timestamp_column: logged_at", "key_column: id\n    timestamp_column: logged at"
+        "key_column: id\n    timestamp_column: logged_at", "key_column: id\n    timestamp_column: '\"logged\".at'"
     )
     assert broken != text
     (tmp_path / "policies.yaml").write_text(broken)
@@ -56,7 +56,7 @@ def test_a_bad_policy_is_an_import_error_naming_it_while_the_others_load(tmp_pat
     old = os.environ.get("AIRFLOW_RETENTION_POLICIES")
     os.environ["AIRFLOW_RETENTION_POLICIES"] = str(tmp_path / "policies.yaml")
     try:
-        bag = DagBag(str(tmp_path))
+        bag = dagbag(str(tmp_path))
     finally:
         if old is not None:
             os.environ["AIRFLOW_RETENTION_POLICIES"] = old

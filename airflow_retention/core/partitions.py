@@ -1,0 +1,294 @@
+"""Planning a partitioned table: block chunks per leaf, and whole expired partitions as one chunk each.
+
+The planner reads the partition tree (multi-level; RANGE, LIST and HASH; a DEFAULT partition; a
+partition left pending by an interrupted ``DETACH … CONCURRENTLY``) and decides, per partition:
+
+- a partition whose RANGE bound on the policy's timestamp column starts at or after the cutoff holds
+  no eligible row: **skip**;
+- a partition whose RANGE bound on the timestamp column (its own or an ancestor's) ends at or before
+  the cutoff holds only rows expired by time: with ``expired_partitions: detach`` or ``drop`` it is one
+  **partition chunk** (``core/detach.py``) — the highest such partition below the table, so a wholly
+  expired month that is itself sub-partitioned is detached once. With a ``condition``, only when a
+  check proves that no row of it is kept by the condition (checked again under lock when it runs);
+- every other leaf is cut into **block chunks** of its own (TID range scans run on the leaf itself),
+  from a sample of its blocks; a leaf whose sample finds nothing is probed once for any eligible row
+  and skipped when it has none.
+
+Leaves attached after planning wait for the next run; a leaf detached or dropped before its chunk
+runs completes that chunk with 0 rows (``core/engine.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from airflow_retention.core import dbapi
+from airflow_retention.core.catalog import TargetInfo, check_detached_schema, require_privileges
+from airflow_retention.core.identifiers import TableName
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.sql import (
+    PARTITION_TREE,
+    bound_check_statement,
+    eligible_exists_statement,
+    ineligible_exists_statement,
+)
+
+log = logging.getLogger(__name__)
+
+_RANGE_BOUND = re.compile(r"^FOR VALUES FROM \((?P<lo>.*)\) TO \((?P<hi>.*)\)$", re.S)
+
+
+@dataclass(frozen=True)
+class Relation:
+    """One relation of a partitioned table's tree, as the catalog describes it at planning."""
+
+    oid: int
+    parent: int | None
+    level: int
+    pending_detach: bool
+    kind: str  # 'r' table, 'p' partitioned, 'f' foreign
+    table: TableName
+    bound: str | None
+    blocks: int | None
+    reltuples: float
+    strategy: str | None  # of a partitioned relation: 'r' range, 'l' list, 'h' hash
+    has_default: bool
+    key_column: str | None
+
+    @property
+    def rows_estimate(self) -> int:
+        return max(0, round(self.reltuples))
+
+
+@dataclass(frozen=True)
+class PartitionDecision:
+    """What the plan does with one partition: the CLI's plan preview shows these."""
+
+    relation: Relation
+    action: str  # 'drop', 'detach', 'delete rows', 'skip'
+    rows: int  # estimated rows (partition chunks: the whole partition; delete rows: the eligible ones)
+    reason: str
+    chunks: int = 0
+
+
+def read_tree(conn: Any, policy: RetentionPolicy) -> dict[int, Relation]:
+    rows = dbapi.fetch_all(
+        conn, PARTITION_TREE, {"rel": policy.table.regclass_literal}, lock_timeout_ms=policy.lock_timeout_ms
+    )
+    tree = {}
+    for oid, parent, level, pending, kind, schema, name, bound, blocks, reltuples, strategy, default, key in rows:
+        tree[int(oid)] = Relation(
+            oid=int(oid),
+            parent=int(parent) if parent is not None else None,
+            level=int(level),
+            pending_detach=bool(pending),
+            kind=kind,
+            table=TableName(schema, name),
+            bound=bound,
+            blocks=int(blocks) if blocks is not None else None,
+            reltuples=float(reltuples or 0.0),
+            strategy=strategy,
+            has_default=bool(default),
+            key_column=key,
+        )
+    return tree
+
+
+def _literal(text: str) -> str | None:
+    """A bound value as text: ``'2026-01-01 00:00:00+00'`` → the timestamp; MINVALUE/MAXVALUE → None."""
+    text = text.strip()
+    if len(text) >= 2 and text[0] == "'" and text[-1] == "'":
+        return text[1:-1].replace("''", "'")
+    return None
+
+
+def time_bounds(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, tree: dict[int, Relation]
+) -> dict[int, tuple[bool, bool]]:
+    """Per relation below the root: (newer, expired) from its own RANGE bound on the timestamp column;
+    (False, False) where its parent is not RANGE-partitioned on that column alone."""
+    candidates: list[tuple[int, str | None, str | None]] = []
+    for rel in tree.values():
+        parent = tree.get(rel.parent) if rel.parent is not None else None
+        if parent is None or rel.bound is None:
+            continue
+        if parent.strategy != "r" or parent.key_column != policy.timestamp_column:
+            continue
+        match = _RANGE_BOUND.match(rel.bound)
+        if match is None:
+            continue
+        candidates.append((rel.oid, _literal(match["lo"]), _literal(match["hi"])))
+    flags: dict[int, tuple[bool, bool]] = {oid: (False, False) for oid in tree}
+    if candidates:
+        rows = dbapi.fetch_all(
+            conn,
+            bound_check_statement(target),
+            {"cutoff": cutoff, "lows": [c[1] for c in candidates], "highs": [c[2] for c in candidates]},
+        )
+        for (oid, _, _), (newer, expired) in zip(candidates, rows, strict=True):
+            flags[oid] = (bool(newer), bool(expired))
+    return flags
+
+
+def _chain(tree: dict[int, Relation], rel: Relation) -> list[Relation]:
+    """The relation and its ancestors below the root, the relation first."""
+    out = []
+    while rel.parent is not None:
+        out.append(rel)
+        rel = tree[rel.parent]
+    return out
+
+
+@dataclass(frozen=True)
+class RowLeaf:
+    """A leaf whose eligible rows are deleted in block chunks: its sample and estimate."""
+
+    relation: Relation
+    sampled: list[tuple[int, int]]
+    scale: float
+    estimate: int
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """The planner's reading of a partitioned table: partition chunks, leaves to cut, decisions."""
+
+    actions: list[Relation]  # whole partitions to detach or drop, in order
+    row_leaves: list[RowLeaf]
+    decisions: list[PartitionDecision]
+
+
+def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime) -> PartitionPlan:
+    """Read the tree and decide what becomes of each partition (nothing is written)."""
+    from airflow_retention.core.planner import sample_blocks
+
+    tree = read_tree(conn, policy)
+    flags = time_bounds(conn, policy, target, cutoff, tree)
+    acting = policy.expired_partitions in ("detach", "drop")
+    decisions: list[PartitionDecision] = []
+    actions: dict[int, Relation] = {}
+    row_leaves: list[RowLeaf] = []
+    kept_by_condition: set[int] = set()
+    for leaf in (r for r in tree.values() if r.kind in ("r", "f") and r.parent is not None):
+        chain = _chain(tree, leaf)
+        pending = next((r for r in chain if r.pending_detach and not tree[r.parent].pending_detach), None)
+        if any(flags[r.oid][0] for r in chain):
+            decisions.append(PartitionDecision(leaf, "skip", 0, "its range starts at or after the cutoff"))
+            continue
+        expired = [r for r in chain if flags[r.oid][1]]
+        unit = expired[-1] if expired else None  # the highest wholly expired partition
+        if acting and unit is not None and unit.oid not in kept_by_condition:
+            if unit.oid in actions:
+                continue
+            _require_ownership(conn, policy, tree, unit)
+            if policy.condition and _holds_kept_rows(conn, policy, target, cutoff, unit):
+                kept_by_condition.add(unit.oid)
+                log.info(
+                    "policy %s: partition %s is wholly expired but holds rows the condition keeps: its eligible"
+                    " rows are deleted in batches and it stays",
+                    policy.name,
+                    unit.table,
+                )
+            else:
+                actions[unit.oid] = unit
+                rows = sum(r.rows_estimate for r in tree.values() if r.kind == "r" and unit in _chain(tree, r))
+                reason = "wholly expired" + (" (pending detach: finalized)" if unit.pending_detach else "")
+                decisions.append(PartitionDecision(unit, policy.expired_partitions, rows, reason, chunks=1))
+                continue
+        if pending is not None:
+            log.warning(
+                "policy %s: partition %s of %s is pending detach (an interrupted DETACH PARTITION … CONCURRENTLY):"
+                " its rows are no longer part of the table and are not purged; finish it with ALTER TABLE %s"
+                " DETACH PARTITION %s FINALIZE (docs/runbook.md)",
+                policy.name,
+                pending.table,
+                policy.table,
+                tree[pending.parent].table.sql if pending.parent is not None else policy.table.sql,
+                pending.table.sql,
+            )
+            decisions.append(PartitionDecision(leaf, "skip", 0, f"pending detach ({pending.table})"))
+            continue
+        if leaf.kind == "f":
+            log.warning("policy %s: foreign partition %s is not purged (no TID range scans)", policy.name, leaf.table)
+            decisions.append(PartitionDecision(leaf, "skip", 0, "foreign table"))
+            continue
+        if not leaf.blocks:
+            decisions.append(PartitionDecision(leaf, "skip", 0, "empty"))
+            continue
+        require_privileges(conn, policy, leaf.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
+        percent, scale, sampled = sample_blocks(conn, policy, target, cutoff, leaf.table, leaf.reltuples)
+        estimate = round(sum(n for _, n in sampled) * scale)
+        if estimate == 0:
+            probe = dbapi.fetch_all(
+                conn,
+                eligible_exists_statement(policy, target, leaf.table),
+                {"cutoff": cutoff},
+                lock_timeout_ms=policy.lock_timeout_ms,
+            )
+            if not probe[0][0]:
+                decisions.append(PartitionDecision(leaf, "skip", 0, "no eligible row"))
+                continue
+            estimate = 1
+        row_leaves.append(RowLeaf(leaf, sampled, scale, estimate))
+        why = "wholly expired, kept rows" if unit is not None and acting else f"{percent:.2f} % sample"
+        decisions.append(PartitionDecision(leaf, "delete rows", estimate, why))
+    plan = PartitionPlan(actions=list(actions.values()), row_leaves=row_leaves, decisions=decisions)
+    if plan.actions and not policy.dry_run:
+        check_detached_schema(conn, policy)
+    log.info(
+        "policy %s: %s has %d leaf partition(s): %d to %s whole, %d with rows to delete, %d skipped",
+        policy.name,
+        policy.table,
+        sum(1 for r in tree.values() if r.kind in ("r", "f") and r.parent is not None),
+        len(plan.actions),
+        policy.expired_partitions,
+        len(row_leaves),
+        sum(1 for d in decisions if d.action == "skip"),
+    )
+    return plan
+
+
+def _holds_kept_rows(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, unit: Relation) -> bool:
+    rows = dbapi.fetch_all(
+        conn,
+        ineligible_exists_statement(policy, target, unit.table),
+        {"cutoff": cutoff},
+        lock_timeout_ms=policy.lock_timeout_ms,
+    )
+    return bool(rows[0][0])
+
+
+def _require_ownership(conn: Any, policy: RetentionPolicy, tree: dict[int, Relation], unit: Relation) -> None:
+    """DETACH and DROP need to own the partition and its parent (PostgreSQL 15); a dry run only reads.
+    Rows of a leaf are deleted on the leaf itself, so the leaf's own grants count, not the parent's:
+    the caller checks those before sampling it."""
+    if policy.dry_run:
+        require_privileges(conn, policy, unit.table, ("SELECT",))
+        return
+    require_privileges(conn, policy, unit.table, ("ownership",))
+    if unit.parent is not None:
+        require_privileges(conn, policy, tree[unit.parent].table, ("ownership",))
+
+
+def split_leaves(leaves: Iterable[RowLeaf], size: int) -> list[list[tuple[int, int, int]]]:
+    """Block ranges (lo, hi, estimated rows) of each leaf at ``size`` estimated rows per chunk."""
+    from airflow_retention.core.planner import block_ranges
+
+    return [block_ranges(leaf.sampled, leaf.scale, int(leaf.relation.blocks or 0), size) for leaf in leaves]
+
+
+def fit(leaves: list[RowLeaf], chunk_rows: int, budget: int) -> tuple[int, list[list[tuple[int, int, int]]]]:
+    """The smallest chunk size from ``chunk_rows`` up whose block chunks of every leaf fit ``budget``."""
+    total = sum(leaf.estimate for leaf in leaves)
+    size = max(chunk_rows, math.ceil(total / max(budget, 1)) if total else chunk_rows)
+    while True:
+        ranges = split_leaves(leaves, size)
+        if sum(len(r) for r in ranges) <= budget:
+            return size, ranges
+        size = math.ceil(size * 1.25)

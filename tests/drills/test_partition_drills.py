@@ -1,0 +1,278 @@
+"""Partition chunks under faults, on both drivers: a worker SIGKILLed before, inside and after the
+detach, a query holding the partition, and a role without the privileges a detach or a drop needs.
+
+Each drill runs the chunk in a child process that kills itself (a real SIGKILL) at the named step,
+then retries it here and checks that the partition is removed once and counted once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from psycopg2.extensions import make_dsn
+
+from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.errors import PermanentError, RetryableError
+from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.planner import plan_run
+from airflow_retention.core.policy import policy_to_dict
+from airflow_retention.core.verify import verify_run
+from tests.conftest import DSN, connect
+from tests.core.helpers import CUTOFF, ledger_chunk, make_policy, rows, scalar, wait_for
+from tests.core.partition_helpers import create_monthly, eligible_count, pending_detach, relations_in
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHILD = r"""
+import json, os, signal, sys
+from datetime import datetime
+import psycopg, psycopg2
+from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.ledger import ChunkSpec
+from airflow_retention.core.policy import RetentionPolicy
+
+args = json.loads(sys.argv[1])
+connect = psycopg.connect if args["driver"] == "psycopg" else psycopg2.connect
+conn = connect(args["dsn"], application_name=args["app"])
+policy = RetentionPolicy.from_dict(args["policy"])
+
+def step(name):
+    if name == args["kill_at"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run_chunk(conn, policy, datetime.fromisoformat(args["cutoff"]), ChunkSpec(**args["chunk"]), on_step=step)
+print("finished")
+"""
+
+
+def drop_policy(schema: str, **overrides: Any) -> Any:
+    data = {"chunk_by": "block", "key_column": None, "condition": None, "expired_partitions": "drop", **overrides}
+    return make_policy(schema, **data)
+
+
+def start_child(driver: str, policy: Any, chunk: Any, kill_at: str, app: str, err: Path) -> subprocess.Popen:
+    args = {
+        "driver": driver,
+        "dsn": DSN,
+        "app": app,
+        "kill_at": kill_at,
+        "policy": policy_to_dict(policy),
+        "cutoff": CUTOFF.isoformat(),
+        "chunk": {
+            "key": chunk.key,
+            "lo": chunk.lo,
+            "hi": chunk.hi,
+            "seq": chunk.seq,
+            "rows_planned": chunk.rows_planned,
+            "partition": chunk.partition,
+            "partition_oid": chunk.partition_oid,
+            "action": chunk.action,
+        },
+    }
+    with err.open("w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(args)], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
+
+
+def session_gone(admin: Any, app: str) -> None:
+    wait_for(
+        lambda: scalar(admin, "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(a)s", {"a": app}) == 0,
+        30,
+        "the killed worker's session to end",
+    )
+
+
+@pytest.mark.parametrize("kill_at", ["before_detach", "after_detach"])
+@pytest.mark.parametrize("condition", [None, "status <> 'open'"], ids=["concurrent", "atomic"])
+def test_a_worker_killed_around_the_detach_is_finished_once_by_the_retry(
+    schema: str, admin: Any, driver: str, tmp_path: Path, kill_at: str, condition: str | None
+) -> None:
+    table = create_monthly(admin, schema, status="'closed'")
+    january = scalar(admin, f'SELECT count(*) FROM "{schema}".m01')
+    policy = drop_policy(schema, condition=condition)
+    conn = connect(driver)
+    try:
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        app = f"drill-{uuid.uuid4().hex[:8]}"
+        child = start_child(driver, policy, chunk, kill_at, app, tmp_path / "child.err")
+        assert child.wait(timeout=60) == -signal.SIGKILL, (tmp_path / "child.err").read_text()
+        session_gone(admin, app)
+        row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+        assert row["state"] != "complete" and row["rows_deleted"] == 0
+        if condition is None:
+            # Concurrent: the detach is committed on its own; after it the partition stands alone.
+            assert row["action_started_at"] is not None
+            tree = rows(admin, f"SELECT relid::regclass::text FROM pg_partition_tree('{table}')")
+            attached = (f"{schema}.m01",) in tree
+            assert attached == (kill_at == "before_detach")
+        else:
+            # Atomic: the kill rolled everything back; the partition is attached and whole.
+            assert scalar(admin, f'SELECT count(*) FROM "{schema}".m01') == january
+        assert "m01" in relations_in(admin, schema)
+        result = run_chunk(conn, policy, plan.cutoff, chunk)
+        assert (result.rows_deleted, result.outcome) == (january, "dropped")
+        assert "m01" not in relations_in(admin, schema)
+        row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+        assert (row["state"], row["outcome"], row["rows_deleted"]) == ("complete", "dropped", january)
+        # A redelivery of the completed chunk changes nothing.
+        assert run_chunk(conn, policy, plan.cutoff, chunk).already_complete
+        for other in plan.chunks:
+            run_chunk(conn, policy, plan.cutoff, other)
+        assert verify_run(conn, Ledger(policy.ledger_schema), plan.run_key, [c.key for c in plan.chunks]).ok
+        assert eligible_count(admin, table, condition=condition) == 0
+    finally:
+        conn.close()
+
+
+class Reader:
+    """A transaction that has read a partition and holds its ACCESS SHARE lock until released."""
+
+    def __init__(self, relation: str) -> None:
+        self.conn = connect("psycopg2")
+        with self.conn.cursor() as cur:
+            cur.execute(f"SELECT count(*) FROM {relation}")
+
+    def release(self) -> None:
+        self.conn.rollback()
+        self.conn.close()
+
+
+@pytest.fixture
+def reader(schema: str) -> Iterator[list[Reader]]:
+    held: list[Reader] = []
+    yield held
+    for r in held:
+        if not r.conn.closed:
+            r.release()
+
+
+def test_a_worker_killed_inside_detach_concurrently_leaves_it_pending_and_the_retry_finalizes(
+    schema: str, admin: Any, driver: str, tmp_path: Path, reader: list[Reader]
+) -> None:
+    create_monthly(admin, schema)
+    january = scalar(admin, f'SELECT count(*) FROM "{schema}".m01')
+    policy = drop_policy(schema, lock_timeout="60s")
+    conn = connect(driver)
+    try:
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        # The detach's second transaction waits for this reader's lock on the partition.
+        reader.append(Reader(f'"{schema}".m01'))
+        app = f"drill-{uuid.uuid4().hex[:8]}"
+        child = start_child(driver, policy, chunk, "never", app, tmp_path / "child.err")
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(a)s AND wait_event_type = 'Lock'"
+            " AND query ILIKE '%%DETACH PARTITION%%CONCURRENTLY%%'"
+        )
+        wait_for(lambda: scalar(admin, waiting, {"a": app}) == 1, 30, "the detach to wait inside its second phase")
+        assert pending_detach(admin, schema) == ["m01"]
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        # client_connection_check_interval: the backend notices its client is gone and gives up.
+        session_gone(admin, app)
+        assert pending_detach(admin, schema) == ["m01"]
+        reader.pop().release()
+        result = run_chunk(conn, policy, plan.cutoff, chunk)
+        assert (result.rows_deleted, result.outcome) == (january, "dropped")
+        assert pending_detach(admin, schema) == [] and "m01" not in relations_in(admin, schema)
+    finally:
+        conn.close()
+
+
+def test_a_query_holding_the_partition_makes_the_detach_retry_later_and_nothing_is_lost(
+    schema: str, admin: Any, driver: str, reader: list[Reader]
+) -> None:
+    table = create_monthly(admin, schema)
+    january = scalar(admin, f'SELECT count(*) FROM "{schema}".m01')
+    total = scalar(admin, f"SELECT count(*) FROM {table}")
+    policy = drop_policy(schema, lock_timeout="500ms")
+    conn = connect(driver)
+    try:
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        reader.append(Reader(f'"{schema}".m01'))
+        with pytest.raises(RetryableError, match="lock timeout"):
+            run_chunk(conn, policy, plan.cutoff, chunk)
+        # Left pending detach by the timed-out second phase, with every row still there.
+        assert pending_detach(admin, schema) == ["m01"]
+        assert scalar(admin, f'SELECT count(*) FROM "{schema}".m01') == january
+        row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+        assert row["state"] != "complete" and "lock timeout" in row["last_error"]
+        reader.pop().release()
+        assert run_chunk(conn, policy, plan.cutoff, chunk).rows_deleted == january
+        assert total - january == scalar(admin, f"SELECT count(*) FROM {table}")
+    finally:
+        conn.close()
+
+
+def test_a_plain_detach_waits_at_most_lock_timeout_behind_a_query_on_the_table(
+    schema: str, admin: Any, driver: str, reader: list[Reader]
+) -> None:
+    create_monthly(admin, schema, default=True)
+    january = scalar(admin, f'SELECT count(*) FROM "{schema}".m01')
+    policy = drop_policy(schema, lock_timeout="500ms")
+    conn = connect(driver)
+    try:
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        reader.append(Reader(f'"{schema}".events'))
+        done: list[Any] = []
+        worker = threading.Thread(target=lambda: done.append(_attempt(conn, policy, plan.cutoff, chunk)))
+        worker.start()
+        worker.join(30)
+        assert isinstance(done[0], RetryableError)
+        assert "m01" in relations_in(admin, schema) and pending_detach(admin, schema) == []
+        reader.pop().release()
+        assert run_chunk(conn, policy, plan.cutoff, chunk).rows_deleted == january
+    finally:
+        conn.close()
+
+
+def _attempt(conn: Any, policy: Any, cutoff: Any, chunk: Any) -> Any:
+    try:
+        return run_chunk(conn, policy, cutoff, chunk)
+    except RetryableError as exc:
+        return exc
+
+
+def test_missing_privileges_fail_at_planning_naming_them_and_nothing_is_removed(
+    schema: str, admin: Any, driver: str, purger: str
+) -> None:
+    table = create_monthly(admin, schema)
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    rows(admin, f'CREATE SCHEMA "{schema}_ledger" AUTHORIZATION "{purger}"')
+    rows(admin, f'GRANT USAGE ON SCHEMA "{schema}" TO "{purger}"')
+    rows(admin, f'GRANT SELECT, DELETE ON {table} TO "{purger}"')
+    dsn = make_dsn(DSN, user=purger, password=None)
+    conn = connect(driver, dsn)
+    try:
+        # Rows of a leaf are deleted on the leaf itself: its own grants count, not the parent's.
+        with pytest.raises(
+            PermanentError, match=rf"insufficient privilege: role {purger} lacks SELECT and DELETE on {schema}\.m0"
+        ):
+            plan_run(conn, drop_policy(schema, expired_partitions="delete"), CUTOFF)
+        for month in range(1, 8):
+            rows(admin, f'GRANT SELECT, DELETE ON "{schema}".m{month:02d} TO "{purger}"')
+        # Dropping a partition takes owning it and its parent.
+        with pytest.raises(PermanentError, match=rf"lacks ownership on {schema}\.m01"):
+            plan_run(conn, drop_policy(schema), CUTOFF)
+        assert scalar(admin, f"SELECT count(*) FROM {table}") == before
+        assert len(relations_in(admin, schema)) == 8
+        # With the documented grants the row-by-row purge runs as this role.
+        policy = drop_policy(schema, expired_partitions="delete", name="as_purger")
+        plan = plan_run(conn, policy, CUTOFF)
+        for chunk in plan.chunks:
+            run_chunk(conn, policy, plan.cutoff, chunk)
+        assert eligible_count(admin, table) == 0
+    finally:
+        conn.close()
