@@ -1,21 +1,21 @@
-"""Example tables for the three example policies, with a realistic shape: a noisy tenant, rows right
-around each run's cutoff, rows held back by the condition, an archive table."""
+"""Example tables for the four example policies, with a realistic shape: a noisy tenant, rows right
+around each run's cutoff, rows held back by the condition, an archive table, a table partitioned by
+month and keyed by uuid."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import inspect_target
-from airflow_retention.core.identifiers import quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import MAX_KEY, MIN_KEY, eligibility
 
 SCHEMA_SQL = """
-DROP TABLE IF EXISTS public.webhook_deliveries, public.tenant_events;
+DROP TABLE IF EXISTS public.webhook_deliveries, public.tenant_events, public.api_requests;
 DROP SCHEMA IF EXISTS audit CASCADE;
 CREATE TABLE public.webhook_deliveries (
     id              bigserial PRIMARY KEY,
@@ -45,6 +45,14 @@ CREATE TABLE audit.audit_log (
 );
 CREATE INDEX ON audit.audit_log (logged_at);
 CREATE TABLE audit.audit_log_archive (LIKE audit.audit_log);
+CREATE TABLE public.api_requests (
+    request_id   uuid NOT NULL DEFAULT gen_random_uuid(),
+    requested_at timestamptz NOT NULL,
+    route        text NOT NULL,
+    status_code  integer NOT NULL,
+    PRIMARY KEY (request_id, requested_at)
+) PARTITION BY RANGE (requested_at);
+CREATE INDEX ON public.api_requests (requested_at);
 """
 
 # Rows spread over `days` days before the anchor, inserted in time order so that keys grow with time as in
@@ -76,6 +84,12 @@ SELECT %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::inte
        'user' || (g %% 300), (ARRAY['login','update','export','delete'])[1 + g %% 4], repeat(md5(g::text), 2)
 FROM generate_series(1, %(rows)s::integer) g ORDER BY 1
 """
+API_SQL = """
+INSERT INTO public.api_requests (requested_at, route, status_code)
+SELECT %(anchor)s::timestamptz - make_interval(secs => random() * %(days)s::integer * 86400),
+       '/v1/' || (ARRAY['orders','users','search','health'])[1 + g %% 4], (ARRAY[200,200,200,404,500])[1 + g %% 5]
+FROM generate_series(1, %(rows)s::integer) g ORDER BY 1
+"""
 # Rows one second before, at, and one second after a cutoff: only the first is ever eligible.
 EDGE_SQL = {
     "webhook_deliveries": "INSERT INTO public.webhook_deliveries (created_at, status, endpoint, payload)"
@@ -87,7 +101,24 @@ EDGE_SQL = {
     "audit_log": "INSERT INTO audit.audit_log (logged_at, actor, action, detail)"
     " SELECT %(cutoff)s::timestamptz + make_interval(secs => s), 'edge', 'edge', 'edge'"
     " FROM unnest(ARRAY[-1, 0, 1]) s",
+    "api_requests": "INSERT INTO public.api_requests (requested_at, route, status_code)"
+    " SELECT %(cutoff)s::timestamptz + make_interval(secs => s), 'edge', 200 FROM unnest(ARRAY[-1, 0, 1]) s",
 }
+# The api_requests table covers this many days before the seeding anchor, and a month after it.
+API_DAYS = 150
+
+
+def month_partitions(anchor: datetime) -> list[tuple[str, datetime, datetime]]:
+    """Monthly partitions ``api_requests_YYYY_MM`` from the month of ``anchor - API_DAYS`` (minus one, for
+    the edge rows of early cutoffs) through the month after the anchor's."""
+    first = (anchor - timedelta(days=API_DAYS + 31)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    months = []
+    start = first
+    while start <= anchor + timedelta(days=31):
+        end = (start + timedelta(days=32)).replace(day=1)
+        months.append((f"api_requests_{start:%Y_%m}", start, end))
+        start = end
+    return months
 
 
 @dataclass(frozen=True)
@@ -95,6 +126,7 @@ class Shape:
     webhooks: int = 60_000
     events: int = 150_000
     audit: int = 30_000
+    api: int = 60_000
 
 
 def seed_examples(conn: Any, anchor: datetime, cutoffs: dict[str, Iterable[datetime]], shape: Shape = Shape()) -> None:
@@ -105,10 +137,20 @@ def seed_examples(conn: Any, anchor: datetime, cutoffs: dict[str, Iterable[datet
         cur.execute(WEBHOOKS_SQL, {"anchor": anchor, "days": 60, "rows": shape.webhooks})
         cur.execute(EVENTS_SQL, {"anchor": anchor, "days": 120, "rows": shape.events})
         cur.execute(AUDIT_SQL, {"anchor": anchor, "days": 420, "rows": shape.audit})
+        for name, start, end in month_partitions(anchor):
+            cur.execute(
+                f"CREATE TABLE public.{name} PARTITION OF public.api_requests"
+                " FOR VALUES FROM (%(start)s::timestamptz) TO (%(end)s::timestamptz)",
+                {"start": start, "end": end},
+            )
+        cur.execute(API_SQL, {"anchor": anchor, "days": API_DAYS, "rows": shape.api})
         for name, values in cutoffs.items():
             for cutoff in values:
                 cur.execute(EDGE_SQL[name], {"cutoff": cutoff})
-        cur.execute("ANALYZE public.webhook_deliveries; ANALYZE public.tenant_events; ANALYZE audit.audit_log")
+        cur.execute(
+            "ANALYZE public.webhook_deliveries; ANALYZE public.tenant_events; ANALYZE audit.audit_log;"
+            " ANALYZE public.api_requests"
+        )
 
 
 @dataclass(frozen=True)
@@ -123,16 +165,16 @@ class Snapshot:
 
 
 def snapshot(conn: Any, policy: RetentionPolicy, cutoff: datetime) -> Snapshot:
-    """Count the table and the rows eligible at ``cutoff``; checksum the keys of the rows to keep."""
+    """Count the table and the rows eligible at ``cutoff``; checksum the rows to keep (whole rows: a
+    table need not have a key)."""
     target = inspect_target(conn, policy)
-    where = eligibility(policy, target, tenant_filter=False)
+    where = eligibility(policy, target, tenant_filter=False, key_range=policy.chunk_by == "key")
     params = {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY}
     eligible = dbapi.fetch_all(conn, f"SELECT count(*) FROM {policy.table.sql} WHERE {where}", params)[0][0]
-    key = quote_ident(policy.key_column)
     keep = dbapi.fetch_all(
         conn,
-        f"SELECT count(*), coalesce(sum(hashtextextended({key}::text, 0)::numeric), 0)"
-        f" FROM {policy.table.sql} WHERE NOT coalesce(({where}), false)",
+        "SELECT count(*), coalesce(sum(hashtextextended(kept::text, 0)::numeric), 0)"
+        f" FROM {policy.table.sql} AS kept WHERE NOT coalesce(({where}), false)",
         params,
     )[0]
     total = dbapi.fetch_all(conn, f"SELECT count(*) FROM {policy.table.sql}")[0][0]

@@ -8,10 +8,10 @@ from datetime import datetime
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseOperator, conf
-from airflow.sdk.exceptions import AirflowFailException
+from airflow.sdk import BaseOperator
 
 from airflow_retention import metrics
+from airflow_retention.compat import AirflowFailException, conf
 from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
 from airflow_retention.core.engine import default_host
 from airflow_retention.core.errors import PermanentError, PolicyError
@@ -140,6 +140,11 @@ class RetentionChunkOperator(BaseOperator):
     :param from_plan: the chunk comes from a ``RetentionPlanOperator`` (as in
         ``retention_task_group``): it must be in the ledger's plan.
         Left False, the chunk is a lone one with a ledger run of its own (``<run key>#lone``).
+    :param partition: of a partitioned table's chunk, the partition it works on (``schema.name``):
+        ``lo``/``hi`` are then block numbers of that leaf, or ``action`` says what becomes of it.
+    :param partition_oid: the partition's oid at planning: a partition renamed, detached or dropped
+        since is recognised and left alone.
+    :param action: ``"detach"`` or ``"drop"`` for a whole expired partition; None to delete rows.
     """
 
     template_fields: Sequence[str] = ("cutoff", "lo", "hi", "tenants", "chunk_key")
@@ -156,6 +161,9 @@ class RetentionChunkOperator(BaseOperator):
         chunk_key: str | None = None,
         rows_planned: int | None = None,
         from_plan: bool = False,
+        partition: str | None = None,
+        partition_oid: int | None = None,
+        action: str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("map_index_template", "{{ task.chunk_label }}")
@@ -168,6 +176,9 @@ class RetentionChunkOperator(BaseOperator):
         self.chunk_key = chunk_key
         self.rows_planned = rows_planned
         self.from_plan = from_plan
+        self.partition = partition
+        self.partition_oid = partition_oid
+        self.action = action
 
     @cached_property
     def hook(self) -> RetentionHook:
@@ -185,6 +196,9 @@ class RetentionChunkOperator(BaseOperator):
             hi=hi,
             tenants=tenants,
             rows_planned=self.rows_planned,
+            partition=self.partition,
+            partition_oid=int(self.partition_oid) if self.partition_oid is not None else None,
+            action=self.action,
         )
 
     @property

@@ -49,7 +49,7 @@ MISSED_POLICY = {
     "retention": "1 day",
     "batch_size": 500,
 }
-EXAMPLES = ("webhook_deliveries", "tenant_events", "audit_log")
+EXAMPLES = ("webhook_deliveries", "tenant_events", "audit_log", "api_requests")
 
 
 def one(conn: Any, sql: str, params: Any = None) -> Any:

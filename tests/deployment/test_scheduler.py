@@ -40,6 +40,7 @@ def test_the_provider_is_registered_and_the_dags_parse(deployment: Deployment) -
         "retention_webhook_deliveries",
         "retention_tenant_events",
         "retention_audit_log",
+        "retention_api_requests",
         "example_nightly_maintenance",
     ):
         assert deployment.wait_for_dag(dag_id)["is_paused"] is True
@@ -227,3 +228,47 @@ def test_a_pipeline_reusing_the_task_group_and_a_lone_chunk(
     assert lone is not None
     (chunk,) = LEDGER.chunk_rows(target, lone["run_key"])
     assert chunk["state"] == "complete" and chunk["completed_dag_id"] == dag_id
+
+
+def test_a_partitioned_table_drops_its_expired_months_under_the_scheduler(
+    deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
+) -> None:
+    dag_id = "retention_api_requests"
+    policy = policy_map["api_requests"]
+    cutoff = freeze_cutoff(policy, day(0))
+    before = snapshot(target, policy, cutoff)
+    months = "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid) FROM pg_partition_tree('public.api_requests') t"
+    months += " JOIN pg_class c ON c.oid = t.relid WHERE t.level = 1 ORDER BY 1"
+    with target.cursor() as cur:
+        cur.execute(months)
+        attached = [r[0] for r in cur.fetchall()]
+        # The months whose whole range ends by the cutoff, by the tests' own arithmetic.
+        cur.execute(
+            "SELECT c.relname, (SELECT count(*) FROM public.api_requests r WHERE r.tableoid = c.oid)"
+            " FROM pg_partition_tree('public.api_requests') t JOIN pg_class c ON c.oid = t.relid"
+            " WHERE t.level = 1 AND substring(pg_get_expr(c.relpartbound, c.oid) from 'TO \\(''([^'']+)''\\)')"
+            "::timestamptz <= %s",
+            (cutoff,),
+        )
+        expired = dict(cur.fetchall())
+    assert expired and len(expired) < len(attached) and before.eligible > sum(expired.values())
+    deployment.wait_for_dag(dag_id)
+    deployment.unpause(dag_id)
+    # catchup off: unpausing creates the latest scheduled run (logical date today).
+    (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=240)
+    deployment.pause(dag_id)
+    assert (scheduled["run_type"], scheduled["state"]) == ("scheduled", "success")
+    with target.cursor() as cur:
+        cur.execute(months)
+        assert [r[0] for r in cur.fetchall()] == [m for m in attached if m not in expired]
+        cur.execute("SELECT count(*) FROM pg_class WHERE relname = ANY(%s)", (list(expired),))
+        assert cur.fetchone()[0] == 0  # dropped, not only detached
+    run = ledger_run(target, policy, day(0))
+    assert run is not None and run["state"] == "complete" and run["rows_deleted"] == before.eligible
+    chunks = {c["chunk_key"]: c for c in LEDGER.chunk_rows(target, run["run_key"])}
+    for month, count in expired.items():
+        chunk = chunks[f"drop:public.{month}"]
+        assert (chunk["outcome"], chunk["rows_deleted"]) == ("dropped", count)
+    after = snapshot(target, policy, cutoff)
+    assert after.eligible == 0
+    assert (after.total, after.keep_checksum) == (before.keep_count, before.keep_checksum)

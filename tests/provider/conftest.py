@@ -3,6 +3,7 @@ table in the Airflow tests' own database, and a way to clear some tasks of a run
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -61,6 +62,19 @@ policies:
     timestamp_column: at
     retention: 10 days
     vacuum_after_rows: 1
+  - name: t_parts
+    table: airflow_t.parts
+    timestamp_column: created_at
+    retention: 10 days
+    expired_partitions: drop
+    batch_size: 500
+    chunk_rows: 2000
+  - name: t_odd
+    table: '"airflow_t"."Uuid Events; x"'
+    timestamp_column: '"Created At"'
+    retention: 10 days
+    batch_size: 500
+    chunk_rows: 2000
 """
 
 # 30,000 orders over 60 days from 2026-01-01; tenant 1 holds 3/4 of them; every 13th is still open.
@@ -82,6 +96,21 @@ SELECT i,
 FROM generate_series(1, 30000) i;
 CREATE INDEX ON airflow_t.orders (created_at);
 CREATE INDEX ON airflow_t.orders (tenant_id, id);
+-- Partitioned by month of 2026, 100 rows a day; uuid-keyed with names that need quoting.
+CREATE TABLE airflow_t.parts (id bigint NOT NULL, created_at timestamptz NOT NULL, PRIMARY KEY (id, created_at))
+    PARTITION BY RANGE (created_at);
+CREATE TABLE airflow_t.m01 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-01-01') TO ('2026-02-01');
+CREATE TABLE airflow_t.m02 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-02-01') TO ('2026-03-01');
+CREATE TABLE airflow_t.m03 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-03-01') TO ('2026-04-01');
+CREATE TABLE airflow_t.m04 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-04-01') TO ('2026-05-01');
+CREATE TABLE airflow_t.m05 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-05-01') TO ('2026-06-01');
+INSERT INTO airflow_t.parts SELECT i, timestamptz '2026-01-01' + i * interval '864 seconds'
+FROM generate_series(0, 14999) i;
+CREATE TABLE airflow_t."Uuid Events; x" (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), "Created At" timestamptz NOT NULL);
+INSERT INTO airflow_t."Uuid Events; x" ("Created At")
+SELECT timestamptz '2026-01-01' + i * interval '1 hour' FROM generate_series(0, 2999) i;
+ANALYZE airflow_t.parts;
+ANALYZE airflow_t."Uuid Events; x";
 CREATE TABLE airflow_t.audit (id bigint PRIMARY KEY, at timestamptz NOT NULL);
 INSERT INTO airflow_t.audit
 SELECT i, timestamptz '2026-01-01' + make_interval(hours => i * 4) FROM generate_series(1, 500) i;
@@ -126,9 +155,9 @@ def write_policies(text: str) -> None:
 
 
 def load_dag(dag_id: str) -> Any:
-    from airflow.dag_processing.dagbag import DagBag
+    from airflow_retention.compat import dagbag
 
-    bag = DagBag(str(DAGS_FOLDER))
+    bag = dagbag(str(DAGS_FOLDER))
     assert not bag.import_errors, bag.import_errors
     return bag.dags[dag_id]
 
@@ -146,10 +175,21 @@ def resume(dag: Any, dag_run: Any, clear: Callable[[Any], bool]) -> Any:
     from airflow import settings
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import clear_task_instances
-    from airflow.sdk.definitions.dag import _run_task
-    from airflow.serialization.serialized_objects import DagSerialization
     from airflow.utils.state import DagRunState, TaskInstanceState
     from sqlalchemy import select
+
+    try:  # Airflow 3.3
+        from airflow.serialization.serialized_objects import DagSerialization
+    except ImportError:  # Airflow 3.0-3.2
+        from airflow.serialization.serialized_objects import SerializedDAG as DagSerialization
+    from airflow.sdk.definitions.dag import _run_task
+
+    def run(ti: Any) -> None:
+        if "task" in inspect.signature(_run_task).parameters:  # Airflow 3.1+
+            _run_task(ti=ti, task=dag.task_dict[ti.task_id], run_triggerer=True)
+        else:  # Airflow 3.0: the task to run is the task instance's
+            ti.task = dag.task_dict[ti.task_id]
+            _run_task(ti=ti, run_triggerer=True)
 
     session = settings.Session()
     dr = session.scalar(select(DagRun).where(DagRun.dag_id == dag.dag_id, DagRun.run_id == dag_run.run_id))
@@ -174,7 +214,7 @@ def resume(dag: Any, dag_run: Any, clear: Callable[[Any], bool]) -> Any:
         session.commit()
         for ti in dr.get_task_instances(session=session):
             if ti.state == TaskInstanceState.SCHEDULED:
-                _run_task(ti=ti, task=dag.task_dict[ti.task_id], run_triggerer=True)
+                run(ti)
         if all(ti.state in finished for ti in dr.get_task_instances(session=session)):
             continue
     raise AssertionError("dag run did not finish")
