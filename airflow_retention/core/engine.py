@@ -150,83 +150,96 @@ def run_chunk(
     sizer = BatchSizer.for_policy(policy, ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None)
     throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
     params: dict[str, Any] = {"cutoff": cutoff, "hi": chunk.hi}
-    rows_per_block = _rows_per_block(conn, leaf or policy.table) if by_block else 1.0
+    rows_per_block = 1.0
+    if by_block:
+        try:
+            rows_per_block = _rows_per_block(conn, leaf or policy.table)
+        except PermanentError:
+            if leaf is None:
+                raise
+            rows_per_block = 50.0  # the leaf is gone: its first batch says so and completes the chunk
     try:
         while True:
             throttler.wait_until_calm(conn)
             size = sizer.size
             batch_started = time.perf_counter()
-            with dbapi.transaction(conn) as cur:
-                dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
-                row = ledger.lock_chunk(cur, key, chunk.key)
-                if row is None:
-                    raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
-                state, next_key, _, _, _, earlier_deleted, pos = row[:7]
-                if state == "complete":
-                    result.already_complete = result.batches == 0
-                    break
-                if leaf is not None and (gone := _leaf_gone(cur, policy, chunk, leaf)) is not None:
-                    # Detached or dropped since planning: its rows are no longer the table's to purge.
-                    log.warning(
-                        "chunk %s: partition %s %s since planning: chunk complete, nothing more to delete there",
+            try:
+                with dbapi.transaction(conn) as cur:
+                    dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
+                    row = ledger.lock_chunk(cur, key, chunk.key)
+                    if row is None:
+                        raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
+                    state, next_key, _, _, _, earlier_deleted, pos = row[:7]
+                    if state == "complete":
+                        result.already_complete = result.batches == 0
+                        break
+                    if leaf is not None and (gone := _leaf_gone(cur, policy, chunk, leaf)) is not None:
+                        # Detached or dropped since planning: its rows are no longer the table's to purge.
+                        log.warning(
+                            "chunk %s: partition %s %s since planning: chunk complete, nothing more to delete there",
+                            chunk.key,
+                            leaf,
+                            gone,
+                        )
+                        outcome = "deleted" if earlier_deleted else "partition_gone"
+                        ledger.complete_chunk(
+                            cur, key, chunk, attempt, outcome=outcome, first_batch_of_attempt=result.batches == 0
+                        )
+                        result.batches += 1
+                        break
+                    if result.batches == 0:
+                        resumed = next_key != chunk.lo or pos
+                        result.resumed_from = next_key if resumed else None
+                    tenant = chunk.tenants[pos] if chunk.tenants is not None else None
+                    batch = {**params, "lo": next_key, "limit": size, "tenant": tenant}
+                    if by_block:
+                        # Blocks instead of keys: as many as hold about ``size`` rows.
+                        upper = min(chunk.hi, next_key + max(1, round(size / rows_per_block)))
+                        last_key = upper - 1
+                        cur.execute(statement, {**batch, "lo_tid": f"({next_key},0)", "hi_tid": f"({upper},0)"})
+                        full = upper < chunk.hi
+                    else:
+                        assert walk is not None
+                        cur.execute(walk, batch)
+                        extent = cur.fetchone()
+                        last_key = int(extent[0]) if extent is not None else chunk.hi - 1
+                        cur.execute(statement, {**batch, "upper": last_key})
+                        full = extent is not None and last_key + 1 < chunk.hi
+                    if batch_statement_returns_counts(policy):
+                        deleted, archived, matched = cur.fetchone()
+                    else:
+                        deleted, archived, matched = cur.rowcount, 0, 0
+                    new_next, new_pos = (last_key + 1, pos) if full else (chunk.hi, pos)
+                    if not full and chunk.tenants is not None and pos + 1 < len(chunk.tenants):
+                        new_next, new_pos = chunk.lo, pos + 1  # this tenant is done: the next one from the start
+                    exhausted = new_next >= chunk.hi
+                    outcome = None
+                    if exhausted:
+                        total = earlier_deleted + deleted
+                        outcome = "dry_run" if policy.dry_run else ("deleted" if total else "nothing_to_delete")
+                    backoffs, backoff_s = throttler.take()
+                    ledger.record_batch(
+                        cur,
+                        key,
                         chunk.key,
-                        leaf,
-                        gone,
+                        next_key=new_next,
+                        tenant_pos=new_pos,
+                        batch_size=size,
+                        backoffs=backoffs,
+                        backoff_seconds=backoff_s,
+                        deleted=deleted,
+                        archived=archived,
+                        matched=matched,
+                        complete=exhausted,
+                        outcome=outcome,
+                        attempt=attempt,
+                        first_batch_of_attempt=result.batches == 0,
                     )
-                    outcome = "deleted" if earlier_deleted else "partition_gone"
-                    ledger.complete_chunk(
-                        cur, key, chunk, attempt, outcome=outcome, first_batch_of_attempt=result.batches == 0
-                    )
-                    result.batches += 1
-                    break
-                if result.batches == 0:
-                    resumed = next_key != chunk.lo or pos
-                    result.resumed_from = next_key if resumed else None
-                tenant = chunk.tenants[pos] if chunk.tenants is not None else None
-                batch = {**params, "lo": next_key, "limit": size, "tenant": tenant}
-                if by_block:
-                    # Blocks instead of keys: as many as hold about ``size`` rows.
-                    upper = min(chunk.hi, next_key + max(1, round(size / rows_per_block)))
-                    last_key = upper - 1
-                    cur.execute(statement, {**batch, "lo_tid": f"({next_key},0)", "hi_tid": f"({upper},0)"})
-                    full = upper < chunk.hi
-                else:
-                    assert walk is not None
-                    cur.execute(walk, batch)
-                    extent = cur.fetchone()
-                    last_key = int(extent[0]) if extent is not None else chunk.hi - 1
-                    cur.execute(statement, {**batch, "upper": last_key})
-                    full = extent is not None and last_key + 1 < chunk.hi
-                if batch_statement_returns_counts(policy):
-                    deleted, archived, matched = cur.fetchone()
-                else:
-                    deleted, archived, matched = cur.rowcount, 0, 0
-                new_next, new_pos = (last_key + 1, pos) if full else (chunk.hi, pos)
-                if not full and chunk.tenants is not None and pos + 1 < len(chunk.tenants):
-                    new_next, new_pos = chunk.lo, pos + 1  # this tenant is done: the next one from the start
-                exhausted = new_next >= chunk.hi
-                outcome = None
-                if exhausted:
-                    total = earlier_deleted + deleted
-                    outcome = "dry_run" if policy.dry_run else ("deleted" if total else "nothing_to_delete")
-                backoffs, backoff_s = throttler.take()
-                ledger.record_batch(
-                    cur,
-                    key,
-                    chunk.key,
-                    next_key=new_next,
-                    tenant_pos=new_pos,
-                    batch_size=size,
-                    backoffs=backoffs,
-                    backoff_seconds=backoff_s,
-                    deleted=deleted,
-                    archived=archived,
-                    matched=matched,
-                    complete=exhausted,
-                    outcome=outcome,
-                    attempt=attempt,
-                    first_batch_of_attempt=result.batches == 0,
-                )
+            except PermanentError:
+                # A leaf dropped between the batch's check and its lock: the next batch sees it gone.
+                if leaf is None or not _leaf_vanished(conn, policy, chunk, leaf):
+                    raise
+                continue
             report = BatchReport(
                 lo=next_key,
                 hi=new_next if new_pos == pos else chunk.hi,
@@ -276,6 +289,12 @@ def run_chunk(
     if result.already_complete:
         log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
     return result
+
+
+def _leaf_vanished(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: TableName) -> bool:
+    with dbapi.transaction(conn) as cur:
+        assert chunk.partition_oid is not None
+        return gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf) is not None
 
 
 def _leaf_gone(cur: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: TableName) -> str | None:

@@ -192,6 +192,24 @@ def test_partitions_detached_or_dropped_between_plan_and_chunk_complete_with_zer
     assert {outcomes[c.key] for c in [*june, january]} == {"partition_gone"}
 
 
+def test_a_leaf_dropped_before_its_block_chunks_run_completes_them_with_zero_rows(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    table = create_monthly(admin, schema)
+    policy = policy_for(schema)
+    plan = plan_run(conn, policy, CUTOFF)
+    february = [c for c in plan.chunks if c.partition == f"{schema}.m02"]
+    assert february
+    gone = scalar(admin, f'SELECT count(*) FROM "{schema}".m02')
+    rows(admin, f'DROP TABLE "{schema}".m02')
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    deleted = sum(run_chunk(conn, policy, plan.cutoff, c).rows_deleted for c in plan.chunks)
+    assert eligible_count(admin, table) == 0 and deleted == before - scalar(admin, f"SELECT count(*) FROM {table}")
+    outcomes = {c["chunk_key"]: c["outcome"] for c in ledger_chunks(admin, policy.ledger_schema, plan.run_key)}
+    assert {outcomes[c.key] for c in february} == {"partition_gone"} and gone > 0
+    assert verify_run(conn, Ledger(policy.ledger_schema), plan.run_key, [c.key for c in plan.chunks]).ok
+
+
 def test_a_partition_attached_after_planning_waits_for_the_next_run(schema: str, conn: Any, admin: Any) -> None:
     table = create_monthly(admin, schema)
     policy = policy_for(schema)

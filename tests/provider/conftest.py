@@ -106,7 +106,10 @@ CREATE TABLE airflow_t.m04 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-0
 CREATE TABLE airflow_t.m05 PARTITION OF airflow_t.parts FOR VALUES FROM ('2026-05-01') TO ('2026-06-01');
 INSERT INTO airflow_t.parts SELECT i, timestamptz '2026-01-01' + i * interval '864 seconds'
 FROM generate_series(0, 14999) i;
-CREATE TABLE airflow_t."Uuid Events; x" (id uuid PRIMARY KEY DEFAULT gen_random_uuid(), "Created At" timestamptz NOT NULL);
+CREATE TABLE airflow_t."Uuid Events; x" (
+    id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    "Created At" timestamptz NOT NULL
+);
 INSERT INTO airflow_t."Uuid Events; x" ("Created At")
 SELECT timestamptz '2026-01-01' + i * interval '1 hour' FROM generate_series(0, 2999) i;
 ANALYZE airflow_t.parts;
