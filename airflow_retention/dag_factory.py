@@ -9,6 +9,7 @@ from typing import Any
 
 from airflow.sdk import DAG, TaskGroup
 
+from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF
 from airflow_retention.core.errors import PolicyError
 from airflow_retention.core.policy import DAG_ID_PREFIX, RetentionPolicy, load_policies_lenient
 from airflow_retention.operators.retention import (
@@ -25,7 +26,7 @@ def task_defaults(policy: RetentionPolicy) -> dict[str, Any]:
     defaults: dict[str, Any] = {
         "retries": policy.retries,
         "retry_delay": timedelta(milliseconds=policy.retry_delay_ms),
-        "retry_exponential_backoff": 2.0,
+        "retry_exponential_backoff": RETRY_EXPONENTIAL_BACKOFF,
         "max_retry_delay": timedelta(minutes=10),
     }
     if policy.queue:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from airflow.sdk.observability import stats
-
+from airflow_retention.compat import stats
 from airflow_retention.core.engine import BatchReport
 from airflow_retention.core.policy import RetentionPolicy
 

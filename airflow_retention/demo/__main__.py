@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{s.table} {s.total:,} rows ({s.eligible:,} eligible by the last cutoff)" for s in before.values())
     )
 
-    from airflow.dag_processing.dagbag import DagBag
+    from airflow_retention.compat import dagbag
 
-    bag = DagBag(str(args.dags))
+    bag = dagbag(str(args.dags))
     if bag.import_errors:
         say(f"DAG import errors: {bag.import_errors}")
         return 1

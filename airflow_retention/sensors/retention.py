@@ -8,9 +8,9 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator
-from airflow.sdk.exceptions import AirflowFailException, AirflowSensorTimeout
 
 from airflow_retention import metrics
+from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
 from airflow_retention.core.cutoff import parse_cutoff
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
 from airflow_retention.core.verify import MISSED_RUNS_WINDOW, missed_runs

@@ -36,9 +36,6 @@ def ledger_run(conn: Any, name: str, day: str) -> dict[str, Any]:
 def statsd() -> Iterator[socket.socket]:
     """A UDP socket standing in for a StatsD server, and Airflow's Stats pointed at it (as the task
     runner does at start-up from ``[metrics]``)."""
-    from airflow.sdk.observability import stats
-    from airflow.sdk.observability.metrics import stats_utils
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.settimeout(0.2)
@@ -50,7 +47,7 @@ def statsd() -> Iterator[socket.socket]:
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
+    _configure_stats()
     try:
         yield sock
     finally:
@@ -59,8 +56,25 @@ def statsd() -> Iterator[socket.socket]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
+        _configure_stats()
         sock.close()
+
+
+def _configure_stats() -> None:
+    """Make Airflow's Stats pick its logger again from ``[metrics]`` (the environment)."""
+    try:  # Airflow 3.2+
+        from airflow.sdk.observability import stats
+        from airflow.sdk.observability.metrics import stats_utils
+    except ImportError:  # Airflow 3.0, 3.1: airflow.stats.Stats chooses its factory once, at import
+        from airflow.metrics import statsd_logger
+        from airflow.metrics.base_stats_logger import NoStatsLogger
+        from airflow.stats import Stats
+
+        on = os.environ.get("AIRFLOW__METRICS__STATSD_ON") == "True"
+        type(Stats).factory = statsd_logger.get_statsd_logger if on else NoStatsLogger
+        Stats.instance = None
+        return
+    stats.initialize(factory=stats_utils.get_stats_factory(), export_legacy_names=False)
 
 
 def received(sock: socket.socket) -> dict[str, list[tuple[float, str]]]:
