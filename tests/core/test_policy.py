@@ -385,7 +385,9 @@ def test_non_mapping_entry_is_reported(tmp_path: Path) -> None:
 def test_repository_policies_file_loads() -> None:
     policies = load_policies(REPO / "dags" / "retention_policies.yaml")
     by_name = {p.name: p for p in policies}
-    assert list(by_name) == ["webhook_deliveries", "tenant_events", "audit_log"]
+    assert list(by_name) == ["webhook_deliveries", "tenant_events", "audit_log", "api_requests"]
+    assert by_name["api_requests"].key_column is None and by_name["api_requests"].expired_partitions == "drop"
+    assert [p.chunk_by for p in policies] == ["block", "key", "block", "block"]
     assert by_name["tenant_events"].tenant_column == "tenant_id"
     assert by_name["audit_log"].archive_table == TableName("audit", "audit_log_archive")
     assert by_name["audit_log"].retention == Retention(months=12)
