@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from airflow_retention.core import dbapi
@@ -113,7 +114,7 @@ def run_partition_chunk(
     attempt: Attempt,
     ledger: Ledger,
     *,
-    cutoff: Any,
+    cutoff: datetime,
     on_step: Callable[[str], None] | None = None,
 ) -> PartitionOutcome:
     """Detach or drop the chunk's partition once, whatever happened to earlier attempts.
@@ -164,12 +165,11 @@ def run_partition_chunk(
         if not ours_detached and not state.pending_detach:
             ledger.start_action(cur, run_key, chunk.key, attempt)
     # Committed: a retry that finds the partition detached knows it was this chunk's doing.
-    assert state.parent is not None or ours_detached
     if state.attached:
+        assert state.parent is not None
         mode = "FINALIZE" if state.pending_detach else "CONCURRENTLY"
         step("before_detach")
         log.info("chunk %s: ALTER TABLE %s DETACH PARTITION %s %s", chunk.key, state.parent, state.table, mode)
-        assert state.parent is not None
         dbapi.outside_transaction(
             conn,
             detach_statement(state.parent, state.table, mode),
@@ -222,7 +222,7 @@ def _atomic(
     ledger: Ledger,
     state: PartitionState,
     *,
-    cutoff: Any,
+    cutoff: datetime,
     step: Callable[[str], None],
 ) -> PartitionOutcome:
     """Check, count, plain DETACH, drop or move, and the ledger, all in the caller's transaction."""
