@@ -32,6 +32,17 @@ def freeze_cutoff(policy: RetentionPolicy, anchor: datetime) -> datetime:
     return datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc).replace(microsecond=moment.microsecond)
 
 
+def anchor_of(policy: RetentionPolicy, cutoff: datetime) -> datetime:
+    """The run date a cutoff was frozen from, for callers that have only the cutoff (a lone chunk, the
+    CLI): ``cutoff + retention``. Exact for days and seconds; a month-end date clamped by the
+    subtraction comes back a few days early, so planners pass the run's own date when they have it."""
+    import pendulum
+
+    r = policy.retention
+    moment = pendulum.instance(as_utc(cutoff)).add(months=r.months, days=r.days, seconds=r.seconds)
+    return datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc)
+
+
 def format_cutoff(cutoff: datetime) -> str:
     """ISO 8601 in UTC with a ``Z``, the spelling used in run keys, XCom and logs."""
     utc = as_utc(cutoff)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from airflow_retention.core import dbapi
@@ -44,6 +43,7 @@ from airflow_retention.core.sql import (
     lock_statement,
     set_schema_statement,
 )
+from airflow_retention.core.tenants import TenantCutoffs
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def run_partition_chunk(
     attempt: Attempt,
     ledger: Ledger,
     *,
-    cutoff: datetime,
+    cutoffs: TenantCutoffs,
     on_step: Callable[[str], None] | None = None,
 ) -> PartitionOutcome:
     """Detach or drop the chunk's partition once, whatever happened to earlier attempts.
@@ -161,7 +161,7 @@ def run_partition_chunk(
             return PartitionOutcome(int(rows), "dry_run", how="counted (dry run)")
         atomic = not state.pending_detach and not ours_detached and (policy.condition or state.parent_has_default)
         if atomic:
-            return _atomic(cur, policy, target, run_key, chunk, attempt, ledger, state, cutoff=cutoff, step=step)
+            return _atomic(cur, policy, target, run_key, chunk, attempt, ledger, state, cutoffs=cutoffs, step=step)
         if not ours_detached and not state.pending_detach:
             ledger.start_action(cur, run_key, chunk.key, attempt)
     # Committed: a retry that finds the partition detached knows it was this chunk's doing.
@@ -222,14 +222,14 @@ def _atomic(
     ledger: Ledger,
     state: PartitionState,
     *,
-    cutoff: datetime,
+    cutoffs: TenantCutoffs,
     step: Callable[[str], None],
 ) -> PartitionOutcome:
     """Check, count, plain DETACH, drop or move, and the ledger, all in the caller's transaction."""
     assert state.parent is not None
     cur.execute(lock_statement(state.table, "SHARE"))
     if policy.condition:
-        cur.execute(ineligible_exists_statement(policy, target, state.table), {"cutoff": cutoff})
+        cur.execute(ineligible_exists_statement(policy, target, state.table), cutoffs.params())
         if cur.fetchone()[0]:
             log.warning(
                 "chunk %s: partition %s holds a row the condition keeps (changed since planning): not %s;"

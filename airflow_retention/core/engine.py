@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from airflow_retention.core import dbapi
+from airflow_retention.core import dbapi, tenants
 from airflow_retention.core.catalog import TargetInfo, inspect_target
-from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
+from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.detach import gone_reason, partition_state, run_partition_chunk
 from airflow_retention.core.errors import PermanentError, RetentionError
 from airflow_retention.core.identifiers import TableName
@@ -38,6 +38,7 @@ from airflow_retention.core.pacing import BatchSizer, Throttler
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
     BLOCK_COUNT,
+    batch_counts_tenants,
     batch_statement,
     batch_statement_returns_counts,
     batch_walk_statement,
@@ -149,7 +150,8 @@ def run_chunk(
     # A new chunk starts where the run's latest batches settled, not from scratch.
     sizer = BatchSizer.for_policy(policy, ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None)
     throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
-    params: dict[str, Any] = {"cutoff": cutoff, "hi": chunk.hi}
+    cutoffs = tenants.frozen(conn, ledger, policy, key, cutoff)
+    params: dict[str, Any] = {**cutoffs.params(), "hi": chunk.hi}
     rows_per_block = 1.0
     if by_block:
         try:
@@ -192,6 +194,8 @@ def run_chunk(
                         result.resumed_from = next_key if resumed else None
                     tenant = chunk.tenants[pos] if chunk.tenants is not None else None
                     batch = {**params, "lo": next_key, "limit": size, "tenant": tenant}
+                    if policy.max_rows_per_tenant:
+                        batch["xt"] = ledger.tenants_at_cap(cur, key, policy.max_rows_per_tenant)
                     if by_block:
                         # Blocks instead of keys: as many as hold about ``size`` rows.
                         upper = min(chunk.hi, next_key + max(1, round(size / rows_per_block)))
@@ -205,7 +209,11 @@ def run_chunk(
                         last_key = int(extent[0]) if extent is not None else chunk.hi - 1
                         cur.execute(statement, {**batch, "upper": last_key})
                         full = extent is not None and last_key + 1 < chunk.hi
-                    if batch_statement_returns_counts(policy):
+                    if batch_counts_tenants(policy):
+                        per_tenant = cur.fetchall()
+                        deleted, archived, matched = (sum(int(r[i]) for r in per_tenant) for i in (1, 2, 3))
+                        ledger.add_tenant_counts(cur, key, chunk.key, per_tenant)
+                    elif batch_statement_returns_counts(policy):
                         deleted, archived, matched = cur.fetchone()
                     else:
                         deleted, archived, matched = cur.rowcount, 0, 0
@@ -322,7 +330,10 @@ def _partition_chunk(
     result = ChunkResult(run_key=key, chunk_key=chunk.key)
     started = time.perf_counter()
     try:
-        outcome = run_partition_chunk(conn, policy, target, key, chunk, attempt, ledger, cutoff=cutoff, on_step=on_step)
+        cutoffs = tenants.frozen(conn, ledger, policy, key, cutoff)
+        outcome = run_partition_chunk(
+            conn, policy, target, key, chunk, attempt, ledger, cutoffs=cutoffs, on_step=on_step
+        )
     except RetentionError as exc:
         ledger.record_error(conn, key, chunk.key, str(exc), policy.lock_timeout_ms)
         raise
@@ -384,6 +395,11 @@ def _ensure_chunk_row(
     a lone chunk (no planner) creates its own run and chunk rows. Either way a row already there must
     describe the same range: a chunk key never stands for other rows."""
     ledger.ensure(conn)
+    overrides: tuple[tuple[str, str, datetime, str], ...] = ()
+    if lone and tenants.has_per_tenant_rules(policy):
+        # No planner froze this run's tenant cutoffs: freeze them now, from the cutoff's run date.
+        target = inspect_target(conn, policy)
+        overrides = tenants.compute(conn, policy, target, cutoff, anchor_of(policy, cutoff)).overrides
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
         if lone:
@@ -401,6 +417,8 @@ def _ensure_chunk_row(
                 complete_if_empty=False,
             )
             ledger.insert_chunk(cur, key, chunk)
+            if overrides:
+                ledger.record_tenant_cutoffs(cur, key, overrides)
         # Only read: a zombie may hold the row's lock for a batch; the batch loop waits at most lock_timeout.
         stored = ledger.read_chunk(cur, key, chunk.key)
     if stored is None:
@@ -408,11 +426,11 @@ def _ensure_chunk_row(
             f"chunk {chunk.key} is not in the ledger's plan of run {key}: the run was never planned, or its"
             " ledger rows were deleted. Re-plan the run (clear its plan task), or run the chunk as a lone chunk"
         )
-    _, _, lo, hi, tenants, _, _, partition, partition_oid, action, _ = stored
-    recorded = (lo, hi, tuple(tenants) if tenants is not None else None, partition, partition_oid, action)
+    _, _, lo, hi, listed, _, _, partition, partition_oid, action, _ = stored
+    recorded = (lo, hi, tuple(listed) if listed is not None else None, partition, partition_oid, action)
     if recorded != (chunk.lo, chunk.hi, chunk.tenants, chunk.partition, chunk.partition_oid, chunk.action):
         raise PermanentError(
-            f"chunk key {chunk.key!r} of run {key} is recorded with tenants {tenants} and range [{lo}, {hi})"
+            f"chunk key {chunk.key!r} of run {key} is recorded with tenants {listed} and range [{lo}, {hi})"
             f" (partition {partition}, action {action}), not {chunk.tenants} [{chunk.lo}, {chunk.hi})"
             f" (partition {chunk.partition}, action {chunk.action}); chunk keys must identify one range"
         )

@@ -17,7 +17,7 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import TableName, check_ident, display_name, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Each step moves the ledger from version N-1 to N. Steps only ever get appended.
 _MIGRATIONS: dict[int, str] = {
@@ -106,6 +106,31 @@ ALTER TABLE {s}.chunks
     ADD CONSTRAINT chunks_outcome_check CHECK (outcome IN ('deleted', 'nothing_to_delete', 'dry_run', 'detached',
         'dropped', 'kept', 'partition_gone')),
     ADD CONSTRAINT chunks_action_check CHECK (action IN ('detach', 'drop'));
+""",
+    # Tenants in one pass: rows per tenant per chunk, written by each batch in its own transaction, and
+    # each run's frozen per-tenant cutoffs.
+    4: """
+CREATE TABLE IF NOT EXISTS {s}.tenant_counts (
+    run_key            text NOT NULL,
+    chunk_key          text NOT NULL,
+    tenant             text NOT NULL,
+    rows_deleted       bigint NOT NULL DEFAULT 0,
+    rows_archived      bigint NOT NULL DEFAULT 0,
+    rows_matched       bigint NOT NULL DEFAULT 0,
+    batches            integer NOT NULL DEFAULT 0,
+    first_at           timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (run_key, chunk_key, tenant),
+    FOREIGN KEY (run_key, chunk_key) REFERENCES {s}.chunks (run_key, chunk_key) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS {s}.tenant_cutoffs (
+    run_key            text NOT NULL REFERENCES {s}.runs (run_key) ON DELETE CASCADE,
+    tenant             text NOT NULL,
+    retention          text NOT NULL,
+    cutoff             timestamptz NOT NULL,
+    source             text NOT NULL CHECK (source IN ('policy', 'table')),
+    PRIMARY KEY (run_key, tenant)
+);
 """,
 }
 
@@ -482,6 +507,82 @@ class Ledger:
             attempt=attempt,
             first_batch_of_attempt=first_batch_of_attempt,
         )
+
+    def add_tenant_counts(self, cur: Any, run_key: str, chunk_key: str, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Add one batch's (tenant, deleted, archived, matched) rows to the chunk's per-tenant counts, in
+        the batch's transaction: they commit, or roll back, with its DELETE."""
+        if not rows:
+            return
+        cur.execute(
+            f"INSERT INTO {self.s}.tenant_counts AS c (run_key, chunk_key, tenant, rows_deleted, rows_archived,"
+            " rows_matched, batches)"
+            " SELECT %(r)s, %(c)s, t, d, a, m, 1"
+            " FROM unnest(%(t)s::text[], %(d)s::bigint[], %(a)s::bigint[], %(m)s::bigint[]) AS x(t, d, a, m)"
+            " ON CONFLICT (run_key, chunk_key, tenant) DO UPDATE SET"
+            " rows_deleted = c.rows_deleted + EXCLUDED.rows_deleted,"
+            " rows_archived = c.rows_archived + EXCLUDED.rows_archived,"
+            " rows_matched = c.rows_matched + EXCLUDED.rows_matched,"
+            " batches = c.batches + 1, last_at = clock_timestamp()",
+            {
+                "r": run_key,
+                "c": chunk_key,
+                "t": [str(r[0]) for r in rows],
+                "d": [int(r[1]) for r in rows],
+                "a": [int(r[2]) for r in rows],
+                "m": [int(r[3]) for r in rows],
+            },
+        )
+
+    def tenant_counts(self, conn: Any, run_key: str) -> list[dict[str, Any]]:
+        """Rows per tenant of a run, summed over its chunks, most deleted first."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT tenant, sum(rows_deleted)::bigint, sum(rows_archived)::bigint, sum(rows_matched)::bigint,"
+            f" count(*)::integer FROM {self.s}.tenant_counts WHERE run_key = %(k)s"
+            " GROUP BY tenant ORDER BY 2 DESC, 1",
+            {"k": run_key},
+        )
+        return [
+            {"tenant": t, "rows_deleted": d, "rows_archived": a, "rows_matched": m, "chunks": n}
+            for t, d, a, m, n in rows
+        ]
+
+    def record_tenant_cutoffs(self, cur: Any, run_key: str, cutoffs: Sequence[tuple[str, str, datetime, str]]) -> None:
+        """Freeze a run's per-tenant cutoffs (tenant, retention, cutoff, source) with its plan."""
+        if not cutoffs:
+            return
+        cur.execute(
+            f"INSERT INTO {self.s}.tenant_cutoffs (run_key, tenant, retention, cutoff, source)"
+            " SELECT %(r)s, t, r, c, s"
+            " FROM unnest(%(t)s::text[], %(rt)s::text[], %(c)s::timestamptz[], %(s)s::text[]) AS x(t, r, c, s)"
+            " ON CONFLICT (run_key, tenant) DO NOTHING",
+            {
+                "r": run_key,
+                "t": [c[0] for c in cutoffs],
+                "rt": [c[1] for c in cutoffs],
+                "c": [c[2] for c in cutoffs],
+                "s": [c[3] for c in cutoffs],
+            },
+        )
+
+    def tenant_cutoffs(self, conn: Any, run_key: str) -> list[tuple[str, str, datetime, str]]:
+        """The run's frozen per-tenant cutoffs: (tenant, retention, cutoff, source), by tenant."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT tenant, retention, cutoff, source FROM {self.s}.tenant_cutoffs WHERE run_key = %(k)s"
+            " ORDER BY tenant",
+            {"k": run_key},
+        )
+        return [(t, r, c, s) for t, r, c, s in rows]
+
+    def tenants_at_cap(self, cur: Any, run_key: str, cap: int) -> list[str]:
+        """Tenants that have had at least ``cap`` rows deleted in the run: later batches leave them out."""
+        cur.execute(
+            f"SELECT tenant FROM {self.s}.tenant_counts WHERE run_key = %(k)s GROUP BY tenant"
+            " HAVING sum(rows_deleted) >= %(cap)s::bigint ORDER BY tenant",
+            {"k": run_key, "cap": cap},
+        )
+        return [r[0] for r in cur.fetchall()]
 
     def start_action(self, cur: Any, run_key: str, chunk_key: str, attempt: Attempt) -> None:
         """Record, before a partition's ``DETACH … CONCURRENTLY`` begins, that this chunk is detaching it:

@@ -25,7 +25,6 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from airflow_retention.core import dbapi
@@ -38,6 +37,7 @@ from airflow_retention.core.sql import (
     eligible_exists_statement,
     ineligible_exists_statement,
 )
+from airflow_retention.core.tenants import TenantCutoffs
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +109,11 @@ def _literal(text: str) -> str | None:
 
 
 def time_bounds(
-    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, tree: dict[int, Relation]
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, tree: dict[int, Relation]
 ) -> dict[int, tuple[bool, bool]]:
     """Per relation below the root: (newer, expired) from its own RANGE bound on the timestamp column;
-    (False, False) where its parent is not RANGE-partitioned on that column alone."""
+    (False, False) where its parent is not RANGE-partitioned on that column alone. With per-tenant
+    cutoffs, "newer" is after the latest of them and "expired" before the earliest."""
     candidates: list[tuple[int, str | None, str | None]] = []
     for rel in tree.values():
         parent = tree.get(rel.parent) if rel.parent is not None else None
@@ -129,7 +130,12 @@ def time_bounds(
         rows = dbapi.fetch_all(
             conn,
             bound_check_statement(target),
-            {"cutoff": cutoff, "lows": [c[1] for c in candidates], "highs": [c[2] for c in candidates]},
+            {
+                "newer_from": cutoffs.latest,
+                "expired_by": cutoffs.earliest,
+                "lows": [c[1] for c in candidates],
+                "highs": [c[2] for c in candidates],
+            },
         )
         for (oid, _, _), (newer, expired) in zip(candidates, rows, strict=True):
             flags[oid] = (bool(newer), bool(expired))
@@ -164,13 +170,20 @@ class PartitionPlan:
     decisions: list[PartitionDecision]
 
 
-def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime) -> PartitionPlan:
+def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs) -> PartitionPlan:
     """Read the tree and decide what becomes of each partition (nothing is written)."""
     from airflow_retention.core.planner import sample_blocks
 
     tree = read_tree(conn, policy)
-    flags = time_bounds(conn, policy, target, cutoff, tree)
-    acting = policy.expired_partitions in ("detach", "drop")
+    flags = time_bounds(conn, policy, target, cutoffs, tree)
+    # A tenant cap counts deleted rows per tenant: whole partitions would go past it uncounted.
+    acting = policy.expired_partitions in ("detach", "drop") and not policy.max_rows_per_tenant
+    if policy.expired_partitions != "delete" and not acting:
+        log.warning(
+            "policy %s: max_rows_per_tenant is set: expired partitions are purged row by row, not %s whole",
+            policy.name,
+            "dropped" if policy.expired_partitions == "drop" else "detached",
+        )
     decisions: list[PartitionDecision] = []
     actions: dict[int, Relation] = {}
     row_leaves: list[RowLeaf] = []
@@ -187,7 +200,7 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datet
             if unit.oid in actions:
                 continue
             _require_ownership(conn, policy, tree, unit)
-            if policy.condition and _holds_kept_rows(conn, policy, target, cutoff, unit):
+            if policy.condition and _holds_kept_rows(conn, policy, target, cutoffs, unit):
                 kept_by_condition.add(unit.oid)
                 log.info(
                     "policy %s: partition %s is wholly expired but holds rows the condition keeps: its eligible"
@@ -222,13 +235,13 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datet
             decisions.append(PartitionDecision(leaf, "skip", 0, "empty"))
             continue
         require_privileges(conn, policy, leaf.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
-        percent, scale, sampled = sample_blocks(conn, policy, target, cutoff, leaf.table, leaf.reltuples)
+        percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, leaf.table, leaf.reltuples)
         estimate = round(sum(n for _, n in sampled) * scale)
         if estimate == 0:
             probe = dbapi.fetch_all(
                 conn,
                 eligible_exists_statement(policy, target, leaf.table),
-                {"cutoff": cutoff},
+                cutoffs.params(),
                 lock_timeout_ms=policy.lock_timeout_ms,
             )
             if not probe[0][0]:
@@ -254,11 +267,13 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datet
     return plan
 
 
-def _holds_kept_rows(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, unit: Relation) -> bool:
+def _holds_kept_rows(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, unit: Relation
+) -> bool:
     rows = dbapi.fetch_all(
         conn,
         ineligible_exists_statement(policy, target, unit.table),
-        {"cutoff": cutoff},
+        cutoffs.params(),
         lock_timeout_ms=policy.lock_timeout_ms,
     )
     return bool(rows[0][0])

@@ -8,6 +8,7 @@ holds one row per tenant, never the eligible keys.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from airflow_retention.core import dbapi
+from airflow_retention.core import dbapi, tenants
 from airflow_retention.core.catalog import TargetInfo, inspect_target
-from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, run_key
+from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, ChunkSpec, Ledger, RunRecord
@@ -33,6 +34,7 @@ from airflow_retention.core.sql import (
     group_statement,
     null_timestamps_statement,
 )
+from airflow_retention.core.tenants import TenantCutoffs, has_per_tenant_rules
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +123,11 @@ def choose_chunk_rows(groups: list[Group], chunk_rows: int, max_chunks: int) -> 
     return size
 
 
-def read_groups(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime) -> list[Group]:
+def read_groups(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs) -> list[Group]:
     rows = dbapi.fetch_all(
         conn,
         group_statement(policy, target),
-        {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY},
+        {**cutoffs.params(), "lo": MIN_KEY, "hi": MAX_KEY},
         lock_timeout_ms=policy.lock_timeout_ms,
     )
     groups = []
@@ -196,7 +198,7 @@ def warn_interleaved_tenants(conn: Any, policy: RetentionPolicy) -> float | None
 
 
 def split(
-    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, groups: list[Group], chunk_rows: int
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, groups: list[Group], chunk_rows: int
 ) -> list[ChunkSpec]:
     """Cut the groups into chunks of at most ``chunk_rows`` eligible rows, in a deterministic order."""
     chunks: list[ChunkSpec] = []
@@ -212,7 +214,7 @@ def split(
     for group in groups:
         if group.rows > chunk_rows:
             flush()
-            chunks.extend(_walk(conn, policy, target, cutoff, group, chunk_rows, first_seq=len(chunks)))
+            chunks.extend(_walk(conn, policy, target, cutoffs, group, chunk_rows, first_seq=len(chunks)))
             continue
         if pack and (sum(g.rows for g in pack) + group.rows > chunk_rows or len(pack) >= MAX_TENANTS_PER_CHUNK):
             flush()
@@ -225,14 +227,14 @@ def _walk(
     conn: Any,
     policy: RetentionPolicy,
     target: TargetInfo,
-    cutoff: datetime,
+    cutoffs: TenantCutoffs,
     group: Group,
     chunk_rows: int,
     first_seq: int,
 ) -> list[ChunkSpec]:
     tenants = (group.tenant,) if group.tenant is not None else None
     statement = boundary_statement(policy, target, tenant_filter=tenants is not None)
-    params = {"cutoff": cutoff, "hi": group.hi, "offset": chunk_rows, "tenant": group.tenant}
+    params = {**cutoffs.params(), "hi": group.hi, "offset": chunk_rows, "tenant": group.tenant}
     chunks: list[ChunkSpec] = []
     lo = group.lo
     remaining = group.rows
@@ -263,6 +265,7 @@ class Preview:
     tenant_groups: int
     null_timestamps: int
     partitions: list[PartitionDecision] = field(default_factory=list)
+    tenant_cutoffs: TenantCutoffs | None = None
 
 
 def compute_plan(
@@ -272,16 +275,33 @@ def compute_plan(
     *,
     max_chunks: int = 1024,
     target: TargetInfo | None = None,
+    anchor: datetime | None = None,
 ) -> Preview:
-    """Count the eligible rows and cut them into chunks; reads only (no ledger, no writes)."""
+    """Count the eligible rows and cut them into chunks; reads only (no ledger, no writes).
+
+    :param anchor: the run date the cutoff was frozen from, for per-tenant retention (default: the
+        cutoff plus the policy's retention)."""
     cutoff = as_utc(cutoff)
     if max_chunks < 1:
         raise PermanentError(f"max_chunks must be at least 1, got {max_chunks}")
     dbapi.prepare(conn)
     target = target or inspect_target(conn, policy)
     refuse_future_cutoff(conn, policy, cutoff)
+    cutoffs = (
+        tenants.compute(conn, policy, target, cutoff, anchor or anchor_of(policy, cutoff))
+        if has_per_tenant_rules(policy)
+        else TenantCutoffs(cutoff)
+    )
+    preview = _compute(conn, policy, target, cutoffs, max_chunks)
+    return dataclasses.replace(preview, tenant_cutoffs=cutoffs)
+
+
+def _compute(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, max_chunks: int
+) -> Preview:
+    cutoff = cutoffs.cutoff
     if target.partitioned:
-        return _plan_partitioned(conn, policy, target, cutoff, max_chunks)
+        return _plan_partitioned(conn, policy, target, cutoffs, max_chunks)
     if policy.expired_partitions != "delete":
         log.warning(
             "policy %s: expired_partitions %r has no effect: %s is not a partitioned table",
@@ -290,8 +310,8 @@ def compute_plan(
             policy.table,
         )
     if policy.chunk_by == "block":
-        return _plan_blocks(conn, policy, target, cutoff, max_chunks)
-    groups = read_groups(conn, policy, target, cutoff)
+        return _plan_blocks(conn, policy, target, cutoffs, max_chunks)
+    groups = read_groups(conn, policy, target, cutoffs)
     null_timestamps = warn_null_timestamps(conn, policy)
     if len(groups) > 1:
         warn_interleaved_tenants(conn, policy)
@@ -316,7 +336,7 @@ def compute_plan(
             max_chunks,
             size,
         )
-    chunks = split(conn, policy, target, cutoff, groups, size)
+    chunks = split(conn, policy, target, cutoffs, groups, size)
     return Preview(
         run_key=run_key(policy, cutoff),
         cutoff=cutoff,
@@ -328,15 +348,18 @@ def compute_plan(
     )
 
 
-def _plan_blocks(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, max_chunks: int) -> Preview:
+def _plan_blocks(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, max_chunks: int
+) -> Preview:
     """Chunks of consecutive blocks holding about ``chunk_rows`` eligible rows each, by a repeatable
     sample; together they cover every block of the table as it is now, so no eligible row is left out
     whatever the sample saw (blocks added later hold rows newer than the cutoff, or wait for the next
     run). ``rows_planned`` are estimates."""
+    cutoff = cutoffs.cutoff
     (blocks, reltuples, server) = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": policy.table.regclass_literal})[0]
     _require_tid_ranges(policy, server)
     blocks = int(blocks)
-    percent, scale, sampled = sample_blocks(conn, policy, target, cutoff, policy.table, reltuples)
+    percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, policy.table, reltuples)
     estimate = round(sum(n for _, n in sampled) * scale)
     size = max(policy.chunk_rows, math.ceil(estimate / max_chunks))
     chunks = [
@@ -371,7 +394,12 @@ def _require_tid_ranges(policy: RetentionPolicy, server: int) -> None:
 
 
 def sample_blocks(
-    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, relation: TableName, reltuples: float
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    cutoffs: TenantCutoffs,
+    relation: TableName,
+    reltuples: float,
 ) -> tuple[float, float, list[tuple[int, int]]]:
     """Eligible rows per block of ``relation`` in a repeatable sample of about :data:`BLOCK_SAMPLE_ROWS`
     rows (all of a small or never analysed table): (percent sampled, scale to the whole, sample)."""
@@ -379,7 +407,7 @@ def sample_blocks(
     sampled = dbapi.fetch_all(
         conn,
         block_sample_statement(policy, target, relation),
-        {"cutoff": cutoff, "percent": percent},
+        {**cutoffs.params(), "percent": percent},
         lock_timeout_ms=policy.lock_timeout_ms,
     )
     return percent, 100.0 / percent, [(int(b), int(n)) for b, n in sampled]
@@ -419,7 +447,7 @@ def _block_spec(
 
 
 def _plan_partitioned(
-    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, max_chunks: int
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, max_chunks: int
 ) -> Preview:
     """Partition chunks for the wholly expired partitions (``expired_partitions: detach | drop``), then
     block chunks per leaf for the rest (:mod:`partitions`)."""
@@ -427,7 +455,8 @@ def _plan_partitioned(
 
     (server,) = dbapi.fetch_all(conn, "SELECT current_setting('server_version_num')::integer")[0]
     _require_tid_ranges(policy, server)
-    survey_ = survey(conn, policy, target, cutoff)
+    survey_ = survey(conn, policy, target, cutoffs)
+    cutoff = cutoffs.cutoff
     actions = survey_.actions[:max_chunks]
     leaves = survey_.row_leaves
     budget = max_chunks - len(actions)
@@ -492,10 +521,12 @@ def plan_run(
     max_chunks: int = 1024,
     planned_by: str | None = None,
     target: TargetInfo | None = None,
+    anchor: datetime | None = None,
 ) -> Plan:
     """Plan the run of ``policy`` at ``cutoff`` once; later calls for the same run key return the stored
     plan. Creates the ledger if needed and prunes the policy's runs older than ``ledger_keep_days``. A
-    plan with no chunks records the run complete with zero rows."""
+    plan with no chunks records the run complete with zero rows. Per-tenant cutoffs (``anchor``: the
+    run date the cutoff was frozen from) are recorded with the plan, frozen for the run."""
     cutoff = as_utc(cutoff)
     ledger = Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
@@ -505,7 +536,7 @@ def plan_run(
     if stored is not None:
         return _stored(conn, ledger, key, cutoff, stored)
 
-    preview = compute_plan(conn, policy, cutoff, max_chunks=max_chunks, target=target)
+    preview = compute_plan(conn, policy, cutoff, max_chunks=max_chunks, target=target, anchor=anchor)
     chunks, rows, size = preview.chunks, preview.rows_planned, preview.chunk_rows
     with dbapi.transaction(conn) as cur:
         created = ledger.register_run(
@@ -522,6 +553,8 @@ def plan_run(
         )
         if created:
             ledger.insert_chunks(cur, key, chunks)
+            if preview.tenant_cutoffs is not None:
+                ledger.record_tenant_cutoffs(cur, key, preview.tenant_cutoffs.overrides)
     if not created:  # another planner of the same run won the race: its plan is the plan
         stored = ledger.get_run(conn, key)
         assert stored is not None

@@ -143,7 +143,16 @@ class RetentionPolicy:
         column: chunks and batches are ranges of it. With ``chunk_by: block`` optional and of any type.
     :param condition: extra eligibility, trusted SQL written by the DAG author, re-checked by every
         DELETE and wrapped in parentheses. Never build it from user input.
-    :param tenant_column: plan chunks per tenant of this column.
+    :param tenant_column: the column that says whose a row is. With block chunks every batch deletes the
+        eligible rows of all tenants in its blocks in one pass and records rows deleted per tenant
+        (``tenant_counts`` in the ledger); with key chunks, chunks are planned per tenant.
+    :param tenant_retention: tenant value → retention, overriding ``retention`` for those tenants
+        (``{"acme": "365 days"}``); a mapping in YAML and Python. Frozen per run by the planner.
+    :param tenant_retention_table: a table in the target database with a column named like
+        ``tenant_column`` and an ``interval`` column ``retention``, read at planning: more overrides
+        (``tenant_retention`` wins where both name a tenant).
+    :param max_rows_per_tenant: per run, stop deleting a tenant's rows once this many were deleted;
+        its remaining rows are deferred to the next run (cleanup lag), not a failure.
     :param chunk_by: ``"block"`` (the default without a tenant column): chunks and batches are ranges of
         the table's physical blocks (``ctid``, per leaf partition of a partitioned table), read in order
         like a sequential scan; no key needed, no counting scan at planning (a sample estimates the
@@ -195,6 +204,9 @@ class RetentionPolicy:
     key_column: str | None = None
     condition: str | None = None
     tenant_column: str | None = None
+    tenant_retention: tuple[tuple[str, Retention], ...] = ()
+    tenant_retention_table: TableName | None = None
+    max_rows_per_tenant: int | None = None
     chunk_by: str | None = None
     expired_partitions: str = "delete"
     detached_schema: str | None = None
@@ -257,6 +269,14 @@ class RetentionPolicy:
             ("retention", str(self.retention)),
             ("condition", f"`{self.condition}`" if self.condition else "none"),
             ("tenant column", f"`{display_name(self.tenant_column)}`" if self.tenant_column else "none"),
+            (
+                "per-tenant retention",
+                ", ".join(f"`{t}`: {r}" for t, r in self.tenant_retention)
+                + (f" and table `{self.tenant_retention_table}`" if self.tenant_retention_table else "")
+                if self.tenant_retention or self.tenant_retention_table
+                else "none",
+            ),
+            ("rows per tenant per run", f"{self.max_rows_per_tenant:,}" if self.max_rows_per_tenant else "no cap"),
             ("chunks by", "key ranges" if self.chunk_by == "key" else "block ranges (physical order)"),
             (
                 "whole expired partitions",
@@ -338,16 +358,21 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
     if chunk_by not in CHUNK_BY:
         raise fail("chunk_by", f"must be 'key' or 'block', got {policy.chunk_by!r}")
     out["chunk_by"] = chunk_by
-    if chunk_by == "block" and out.get("tenant_column"):
-        raise fail(
-            "chunk_by",
-            "'block' plans by physical position and cannot keep tenants apart: drop tenant_column or use 'key'",
-        )
     if chunk_by == "key" and out.get("key_column") is None:
         raise fail(
             "key_column",
             "is required with chunk_by 'key' (a unique integer column); chunk_by 'block' needs no key",
         )
+    out["tenant_retention"] = convert("tenant_retention", _tenant_map, policy.tenant_retention or ())
+    if policy.tenant_retention_table is not None:
+        out["tenant_retention_table"] = convert(
+            "tenant_retention_table", TableName.parse, policy.tenant_retention_table
+        )
+    if policy.max_rows_per_tenant is not None:
+        out["max_rows_per_tenant"] = _int_in_range(fail, "max_rows_per_tenant", policy.max_rows_per_tenant, 1, 2**62)
+    for per_tenant in ("tenant_retention", "tenant_retention_table", "max_rows_per_tenant"):
+        if out.get(per_tenant) and "tenant_column" not in out:
+            raise fail(per_tenant, "needs tenant_column: it says whose each row is")
     if policy.expired_partitions not in EXPIRED_PARTITIONS:
         raise fail("expired_partitions", f"must be 'delete', 'detach' or 'drop', got {policy.expired_partitions!r}")
     if policy.detached_schema is not None:
@@ -409,6 +434,23 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
         raise fail("tags", "must be a list of strings")
     out["tags"] = tuple(tags)
     return out
+
+
+def _tenant_map(value: object) -> tuple[tuple[str, Retention], ...]:
+    """``{tenant: duration}`` as sorted pairs; tenants travel as text (``7`` and ``"7"`` are one tenant)."""
+    if isinstance(value, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in value):
+        value = dict(value)
+    if not isinstance(value, Mapping):
+        raise ValueError(f"must be a mapping of tenant value to retention, got {type(value).__name__}")
+    pairs: dict[str, Retention] = {}
+    for tenant, duration in value.items():
+        if tenant is None or isinstance(tenant, (bool, float, list, dict)):
+            raise ValueError(f"tenant {tenant!r}: a tenant value must be text or an integer")
+        try:
+            pairs[str(tenant)] = Retention.parse(duration)
+        except ValueError as exc:
+            raise ValueError(f"tenant {tenant!r}: {exc}") from None
+    return tuple(sorted(pairs.items()))
 
 
 def _ms_or_off(value: object) -> int:
@@ -539,6 +581,8 @@ def policy_to_dict(policy: RetentionPolicy) -> dict[str, Any]:
         value = getattr(policy, f.name)
         if isinstance(value, (TableName, Retention)):
             value = str(value)
+        elif f.name == "tenant_retention":
+            value = {tenant: str(duration) for tenant, duration in value}
         elif isinstance(value, Throttle):
             value = value.to_dict()
         elif isinstance(value, datetime):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from airflow_retention.core.catalog import TargetInfo
 from airflow_retention.core.identifiers import TableName, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.tenants import has_per_tenant_rules
 
 # The whole key space, for statements that are not limited to a chunk. Not -2**63: psycopg2 sends
 # -9223372036854775808::bigint, which overflows before the negation.
@@ -36,7 +37,10 @@ def eligibility(
     if key_range:
         key = _key(policy)
         parts += [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"]
-    parts.append(f"{ts} < {cutoff_value(target)}")
+    if has_per_tenant_rules(policy):
+        parts += _per_tenant(policy, target)
+    else:
+        parts.append(f"{ts} < {cutoff_value(target)}")
     if tenant_filter:
         parts.append(_one_tenant(policy, target))
     elif policy.tenant_column is not None and not null_tenants:
@@ -47,9 +51,25 @@ def eligibility(
     return "\n  AND ".join(parts)
 
 
-def cutoff_value(target: TargetInfo) -> str:
-    """The ``%(cutoff)s`` parameter as a value of the timestamp column's type (a naive column is UTC)."""
-    return "%(cutoff)s::timestamptz" if target.timestamp_has_tz else "(%(cutoff)s::timestamptz AT TIME ZONE 'UTC')"
+def cutoff_value(target: TargetInfo, value: str = "%(cutoff)s::timestamptz") -> str:
+    """The ``%(cutoff)s`` parameter (or another timestamptz expression) as a value of the timestamp
+    column's type (a naive column is UTC)."""
+    return value if target.timestamp_has_tz else f"({value} AT TIME ZONE 'UTC')"
+
+
+def _per_tenant(policy: RetentionPolicy, target: TargetInfo) -> list[str]:
+    """Each row against its own tenant's frozen cutoff (``%(ot)s`` tenants, ``%(oc)s`` their cutoffs,
+    ``%(cutoff)s`` for every other tenant), bounded by ``%(latest_cutoff)s`` so that an index on the
+    timestamp still serves; tenants in ``%(xt)s`` (at their ``max_rows_per_tenant``) are left out.
+    Parameters from :meth:`airflow_retention.core.tenants.TenantCutoffs.params`."""
+    ts = quote_ident(policy.timestamp_column)
+    tenant = f"{quote_ident(str(policy.tenant_column))}::text"
+    own = "(%(oc)s::timestamptz[])[array_position(%(ot)s::text[], " + tenant + ")]"
+    return [
+        f"{ts} < {cutoff_value(target, '%(latest_cutoff)s::timestamptz')}",
+        f"{ts} < {cutoff_value(target, f'coalesce({own}, %(cutoff)s::timestamptz)')}",
+        f"{tenant} <> ALL(%(xt)s::text[])",
+    ]
 
 
 def _key(policy: RetentionPolicy) -> str:
@@ -66,9 +86,15 @@ def _one_tenant(policy: RetentionPolicy, target: TargetInfo) -> str:
 
 
 def batch_statement_returns_counts(policy: RetentionPolicy) -> bool:
-    """Whether :func:`batch_statement` returns its counts as a row; otherwise the driver's rowcount is
+    """Whether :func:`batch_statement` returns its counts as rows; otherwise the driver's rowcount is
     the number of rows deleted."""
-    return policy.dry_run or policy.archive_table is not None
+    return policy.dry_run or policy.archive_table is not None or batch_counts_tenants(policy)
+
+
+def batch_counts_tenants(policy: RetentionPolicy) -> bool:
+    """Whether :func:`batch_statement` returns one row per tenant (tenant, deleted, archived, matched):
+    one-pass tenant policies (block chunks with a tenant column) count every tenant of every batch."""
+    return policy.tenant_column is not None and policy.chunk_by == "block"
 
 
 def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
@@ -105,6 +131,8 @@ def batch_statement(
     else:
         key = _key(policy)
         in_batch = f"{key} <= %(upper)s::bigint\n  AND {eligibility(policy, target, tenant_filter=tenant_filter)}"
+    if batch_counts_tenants(policy):
+        return _tenant_batch(policy, target, table, in_batch)
     if policy.dry_run:
         return f"SELECT 0::bigint, 0::bigint, (SELECT count(*) FROM {table} WHERE {in_batch})"
     if not batch_statement_returns_counts(policy):
@@ -116,6 +144,31 @@ def batch_statement(
         f"archived AS (\n  INSERT INTO {policy.archive_table.sql} ({cols})\n  SELECT {cols} FROM deleted\n"
         "  RETURNING 1\n)\n"
         "SELECT (SELECT count(*) FROM deleted), (SELECT count(*) FROM archived), 0::bigint"
+    )
+
+
+def _tenant_batch(policy: RetentionPolicy, target: TargetInfo, table: str, in_batch: str) -> str:
+    """The one-pass batch: every tenant's eligible rows of the blocks, and how many per tenant, in one
+    statement (``RETURNING`` the tenant alone unless rows are archived)."""
+    tenant = quote_ident(str(policy.tenant_column))
+    if policy.dry_run:
+        return (
+            f"SELECT {tenant}::text, 0::bigint, 0::bigint, count(*) FROM {table}\nWHERE {in_batch}\n"
+            f"GROUP BY {tenant} ORDER BY 1"
+        )
+    if policy.archive_table is None:
+        return (
+            f"WITH deleted AS (\n  DELETE FROM {table}\n  WHERE {in_batch}\n  RETURNING {tenant}\n)\n"
+            f"SELECT {tenant}::text, count(*), 0::bigint, 0::bigint FROM deleted GROUP BY {tenant} ORDER BY 1"
+        )
+    cols = ", ".join(quote_ident(c) for c in target.columns)
+    return (
+        f"WITH deleted AS (\n  DELETE FROM {table}\n  WHERE {in_batch}\n  RETURNING {cols}\n),\n"
+        f"archived AS (\n  INSERT INTO {policy.archive_table.sql} ({cols})\n  SELECT {cols} FROM deleted\n"
+        f"  RETURNING {tenant}\n)\n"
+        f"SELECT d.t, d.n, coalesce(a.n, 0), 0::bigint\n"
+        f"FROM (SELECT {tenant}::text AS t, count(*) AS n FROM deleted GROUP BY 1) d\n"
+        f"LEFT JOIN (SELECT {tenant}::text AS t, count(*) AS n FROM archived GROUP BY 1) a USING (t) ORDER BY 1"
     )
 
 
@@ -233,13 +286,15 @@ ORDER BY t.level, n.nspname, c.relname
 
 def bound_check_statement(target: TargetInfo) -> str:
     """For RANGE bounds on the timestamp column given as text (``%(lows)s``, ``%(highs)s``, NULL for
-    MINVALUE/MAXVALUE): whether the lower bound is at or after the cutoff (no row can be eligible) and
-    whether the upper bound is at or before it (every row is expired by time). The texts come from
+    MINVALUE/MAXVALUE): whether the lower bound is at or after ``%(newer_from)s`` (no row can be
+    eligible) and whether the upper bound is at or before ``%(expired_by)s`` (every row is expired by
+    time); both are the run's cutoff unless tenants have cutoffs of their own. The texts come from
     ``pg_get_expr`` in the same session, so they read back exactly."""
     typ = "timestamptz" if target.timestamp_has_tz else "timestamp"
-    cutoff = cutoff_value(target)
+    newer = cutoff_value(target, "%(newer_from)s::timestamptz")
+    expired = cutoff_value(target, "%(expired_by)s::timestamptz")
     return (
-        f"SELECT coalesce(b.lo::{typ} >= {cutoff}, false), coalesce(b.hi::{typ} <= {cutoff}, false)"
+        f"SELECT coalesce(b.lo::{typ} >= {newer}, false), coalesce(b.hi::{typ} <= {expired}, false)"
         " FROM unnest(%(lows)s::text[], %(highs)s::text[]) WITH ORDINALITY AS b(lo, hi, ord) ORDER BY b.ord"
     )
 

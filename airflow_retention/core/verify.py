@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from airflow_retention.core import dbapi
+from airflow_retention.core import dbapi, tenants
 from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import as_utc
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import MAX_KEY, MIN_KEY, leftover_statement
+from airflow_retention.core.tenants import TenantCutoffs
 
 # The missed-run report (verify task, CLI) looks back this far; ledger_keep_days keeps at least this much.
 MISSED_RUNS_WINDOW = timedelta(days=31)
@@ -114,11 +115,13 @@ def measure_leftovers(
     cutoff = as_utc(cutoff)
     dbapi.prepare(conn)
     target = target or inspect_target(conn, policy)
+    # Per-tenant cutoffs as the run froze them; tenants at their cap count as left (deferred).
+    cutoffs = tenants.frozen(conn, ledger, policy, run_key, cutoff) if ledger and run_key else TenantCutoffs(cutoff)
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
         cur.execute(
             leftover_statement(policy, target),
-            {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY, "cap": LEFTOVER_CAP},
+            {**cutoffs.params(), "lo": MIN_KEY, "hi": MAX_KEY, "cap": LEFTOVER_CAP},
         )
         oldest, count = cur.fetchone()
     lag = 0.0

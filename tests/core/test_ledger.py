@@ -29,7 +29,7 @@ def test_ensure_creates_and_is_idempotent(schema: str, conn: Any, admin: Any) ->
     ledger = Ledger(f"{schema}_ledger")
     assert ledger.version(conn) is None
     assert ledger.ensure(conn) == SCHEMA_VERSION
-    assert _tables(admin, f"{schema}_ledger") == ["chunks", "ledger_version", "runs"]
+    assert _tables(admin, f"{schema}_ledger") == ["chunks", "ledger_version", "runs", "tenant_counts", "tenant_cutoffs"]
     migrated = scalar(admin, f'SELECT migrated_at FROM "{schema}_ledger".ledger_version')
     assert ledger.ensure(conn) == SCHEMA_VERSION
     assert ledger.version(conn) == SCHEMA_VERSION
@@ -66,7 +66,7 @@ def test_concurrent_ensure_on_a_fresh_schema(schema: str, conn: Any, admin: Any,
     assert results == [SCHEMA_VERSION] * callers
     assert Ledger(ledger_schema).version(conn) == SCHEMA_VERSION
     assert scalar(admin, f'SELECT count(*) FROM "{ledger_schema}".ledger_version') == 1
-    assert _tables(admin, ledger_schema) == ["chunks", "ledger_version", "runs"]
+    assert _tables(admin, ledger_schema) == ["chunks", "ledger_version", "runs", "tenant_counts", "tenant_cutoffs"]
 
 
 def test_newer_ledger_is_refused(schema: str, conn: Any, admin: Any) -> None:
@@ -175,8 +175,8 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     old_run = ledger_run(admin, ledger.schema, "p@v1")
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 3
-    assert ledger.version(conn) == 3
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 4
+    assert ledger.version(conn) == 4
     chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     new_columns = {
         "tenant_pos": 0,

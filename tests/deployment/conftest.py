@@ -32,6 +32,7 @@ DRILL_POLICY = {
     "key_column": "id",
     "timestamp_column": "created_at",
     "tenant_column": "tenant_id",
+    "chunk_by": "key",  # per-tenant key chunks of 5,000 rows: the drill's plan is exactly 200 chunks
     "retention": "1 day",
     "batch_size": 1000,
     "target_batch_time": 0,  # fixed batches: the drill holds a row of the victim's third batch

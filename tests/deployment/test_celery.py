@@ -45,6 +45,7 @@ CELERY_POLICY = {
     "conn_id": "retention_target",
     "table": "celery_drill.events",
     "key_column": "id",
+    "chunk_by": "key",  # the drill holds a row of the victim's third batch: batches of exact key ranges
     "timestamp_column": "created_at",
     "retention": "1 day",
     "batch_size": BATCH,

@@ -1,0 +1,271 @@
+"""Tenants in one pass, on both drivers: block chunks that delete every tenant's rows of their blocks
+and count them per tenant in the batch's own transaction; per-tenant retention frozen per run; a
+per-tenant cap per run; bad maps refused."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.errors import PermanentError, PolicyError
+from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.planner import plan_run
+from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
+from airflow_retention.core.verify import measure_leftovers, verify_run
+
+from .helpers import CUTOFF, create_events, fill_events, ledger_chunk, make_policy, rows, scalar, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+ANCHOR = CUTOFF.replace(month=7)  # the policy keeps 30 days: CUTOFF is 30 days before 2024-07-01 12:00
+# 8 tenants interleaved row by row, timestamps over 100 days before the anchor, every 7th row open.
+CREATED = "%(cutoff)s::timestamptz + (mod(g * 37, 100) - 70) * interval '1 day'"
+
+
+def interleaved(admin: Any, schema: str, count: int = 8_000) -> str:
+    table = create_events(admin, schema)
+    fill_events(admin, table, count, tenant="1 + mod(g, 8)", created=CREATED)
+    return table
+
+
+def one_pass(schema: str, **overrides: Any) -> RetentionPolicy:
+    data = {"chunk_by": "block", "tenant_column": "tenant_id", "batch_size": 500, "chunk_rows": 2_000, **overrides}
+    return make_policy(schema, **data)
+
+
+def per_tenant_eligible(admin: Any, table: str, cutoffs: dict[str, Any] | None = None) -> dict[str, int]:
+    """Eligible rows per tenant, by the tests' own SQL: each tenant against its own cutoff."""
+    found = rows(
+        admin,
+        f"SELECT tenant_id::text, created_at FROM {table} WHERE status <> 'open'",
+    )
+    counts: dict[str, int] = {}
+    for tenant, created in found:
+        if created < (cutoffs or {}).get(tenant, CUTOFF):
+            counts[tenant] = counts.get(tenant, 0) + 1
+    return counts
+
+
+def ledger_tenant_counts(admin: Any, ledger: str, run_key: str) -> dict[str, int]:
+    return dict(
+        rows(
+            admin,
+            f'SELECT tenant, sum(rows_deleted)::bigint FROM "{ledger}".tenant_counts WHERE run_key = %(k)s GROUP BY 1',
+            {"k": run_key},
+        )
+    )
+
+
+def purge(conn: Any, policy: RetentionPolicy, **plan_kwargs: Any) -> Any:
+    plan = plan_run(conn, policy, CUTOFF, **plan_kwargs)
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    return plan
+
+
+def test_one_pass_deletes_every_tenant_and_counts_each_exactly(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema)
+    expected = per_tenant_eligible(admin, table)
+    policy = one_pass(schema)
+    plan = purge(conn, policy)
+    assert len(plan.chunks) > 1 and all(c.tenants is None for c in plan.chunks)
+    assert per_tenant_eligible(admin, table) == {}
+    assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
+    # Per chunk, the tenant counts add up to the chunk's rows_deleted.
+    for chunk in plan.chunks:
+        row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+        counted = scalar(
+            admin,
+            f'SELECT coalesce(sum(rows_deleted), 0) FROM "{policy.ledger_schema}".tenant_counts'
+            " WHERE run_key = %(r)s AND chunk_key = %(c)s",
+            {"r": plan.run_key, "c": chunk.key},
+        )
+        assert counted == row["rows_deleted"]
+    summed = Ledger(policy.ledger_schema).tenant_counts(conn, plan.run_key)
+    assert {t["tenant"]: t["rows_deleted"] for t in summed} == expected
+    assert [t["rows_deleted"] for t in summed] == sorted(expected.values(), reverse=True)
+    assert verify_run(conn, Ledger(policy.ledger_schema), plan.run_key, [c.key for c in plan.chunks]).ok
+
+
+def test_one_pass_with_an_archive_and_a_dry_run_counts_per_tenant(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema, 3_000)
+    rows(admin, f'CREATE TABLE "{schema}".archive (LIKE {table})')
+    expected = per_tenant_eligible(admin, table)
+    dry = one_pass(schema, dry_run=True)
+    dry_plan = purge(conn, dry)
+    matched = dict(
+        rows(
+            admin,
+            f'SELECT tenant, sum(rows_matched)::bigint FROM "{dry.ledger_schema}".tenant_counts'
+            " WHERE run_key = %(k)s GROUP BY 1",
+            {"k": dry_plan.run_key},
+        )
+    )
+    assert matched == expected and per_tenant_eligible(admin, table) == expected
+    policy = one_pass(schema, archive_table=f"{schema}.archive")
+    plan = purge(conn, policy)
+    archived = dict(
+        rows(
+            admin,
+            f'SELECT tenant, sum(rows_archived)::bigint FROM "{policy.ledger_schema}".tenant_counts'
+            " WHERE run_key = %(k)s GROUP BY 1",
+            {"k": plan.run_key},
+        )
+    )
+    assert archived == expected == ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key)
+    assert dict(rows(admin, f'SELECT tenant_id::text, count(*) FROM "{schema}".archive GROUP BY 1')) == expected
+
+
+CHILD = r"""
+import json, sys, time
+from datetime import datetime
+import psycopg, psycopg2
+from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.ledger import ChunkSpec
+from airflow_retention.core.policy import RetentionPolicy
+
+args = json.loads(sys.argv[1])
+connect = psycopg.connect if args["driver"] == "psycopg" else psycopg2.connect
+conn = connect(args["dsn"])
+run_chunk(conn, RetentionPolicy.from_dict(args["policy"]), datetime.fromisoformat(args["cutoff"]),
+          ChunkSpec(**args["chunk"]), on_batch=lambda report: time.sleep(0.3))
+"""
+
+
+def test_a_kill_mid_chunk_leaves_tenant_counts_exactly_once(
+    schema: str, conn: Any, admin: Any, driver: str, dsn: str, tmp_path: Path
+) -> None:
+    table = interleaved(admin, schema)
+    expected = per_tenant_eligible(admin, table)
+    policy = one_pass(schema, chunk_rows=100_000, target_batch_time=0, batch_size=300)
+    plan = plan_run(conn, policy, CUTOFF)
+    (chunk,) = plan.chunks
+    args = {
+        "driver": driver,
+        "dsn": dsn,
+        "policy": policy_to_dict(policy),
+        "cutoff": CUTOFF.isoformat(),
+        "chunk": {"key": chunk.key, "lo": chunk.lo, "hi": chunk.hi, "seq": chunk.seq},
+    }
+    err = tmp_path / "child.err"
+    with err.open("w") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(args)], cwd=REPO, stderr=stderr)
+    try:
+        wait_for(
+            lambda: ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)["batches"] >= 2,
+            30,
+            "two committed batches",
+        )
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+    row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
+    assert row["state"] == "running"
+    # What the kill left: the counts of the committed batches, equal to the rows gone so far.
+    partial = ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key)
+    gone = {t: n - per_tenant_eligible(admin, table).get(t, 0) for t, n in expected.items()}
+    assert partial == {t: n for t, n in gone.items() if n} and sum(partial.values()) == row["rows_deleted"] > 0
+    run_chunk(conn, policy, plan.cutoff, chunk)
+    assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
+    assert per_tenant_eligible(admin, table) == {}
+
+
+def test_tenant_retention_overrides_and_is_frozen_for_the_run(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema)
+    # Tenants 1 and 2 keep 60 days instead of 30; tenant 3 only 10.
+    policy = one_pass(schema, tenant_retention={1: "60 days", "2": "P60D", 3: "10 days"})
+    own = {
+        "1": CUTOFF.replace(month=5, day=2),
+        "2": CUTOFF.replace(month=5, day=2),
+        "3": CUTOFF.replace(day=21),
+    }
+    expected = per_tenant_eligible(admin, table, own)
+    base = per_tenant_eligible(admin, table)
+    assert expected["1"] < base["1"] and expected["3"] > base["3"] and expected["4"] == base["4"]
+    plan = plan_run(conn, policy, CUTOFF, anchor=ANCHOR)
+    frozen = Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)
+    assert [(t, c) for t, _, c, _ in frozen] == sorted(own.items())
+    # The map changes mid-run: the run keeps its frozen cutoffs.
+    changed = one_pass(schema, tenant_retention={1: "1 day"})
+    for chunk in plan.chunks:
+        run_chunk(conn, changed, plan.cutoff, chunk)
+    assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
+    assert per_tenant_eligible(admin, table, own) == {}
+    assert per_tenant_eligible(admin, table)["1"] > 0  # tenant 1's rows between 60 and 30 days are kept
+    assert measure_leftovers(conn, policy, CUTOFF, ledger=Ledger(policy.ledger_schema), run_key=plan.run_key).count == 0
+
+
+def test_tenant_retention_in_key_chunks_too(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema, 4_000)
+    own = {"1": CUTOFF.replace(month=5, day=2)}
+    expected = per_tenant_eligible(admin, table, own)
+    policy = make_policy(schema, tenant_column="tenant_id", tenant_retention={"1": "60 days"}, chunk_rows=1_000)
+    assert policy.chunk_by == "key"
+    purge(conn, policy, anchor=ANCHOR)
+    assert per_tenant_eligible(admin, table, own) == {} and per_tenant_eligible(admin, table)["1"] > 0
+    assert sum(expected.values()) == 4_000 - scalar(admin, f"SELECT count(*) FROM {table}") - 0
+
+
+def test_tenant_retention_table_is_read_at_planning(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema)
+    rows(admin, f'CREATE TABLE "{schema}".keep (tenant_id integer PRIMARY KEY, retention interval)')
+    rows(admin, f"""INSERT INTO "{schema}".keep VALUES (4, '60 days'), (5, '60 days'), (6, NULL)""")
+    own = {"4": CUTOFF.replace(month=5, day=2), "5": CUTOFF.replace(month=5, day=2)}
+    expected = per_tenant_eligible(admin, table, own)
+    # The policy's map wins over the table for tenant 5.
+    policy = one_pass(schema, tenant_retention_table=f"{schema}.keep", tenant_retention={5: "30 days"})
+    own["5"] = CUTOFF
+    expected = per_tenant_eligible(admin, table, own)
+    plan = purge(conn, policy, anchor=ANCHOR)
+    sources = {t: s for t, _, _, s in Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)}
+    assert sources == {"4": "table", "5": "policy"}
+    assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
+
+
+def test_a_tenant_cap_defers_the_rest_of_its_rows(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema)
+    expected = per_tenant_eligible(admin, table)
+    cap = 300
+    policy = one_pass(schema, max_rows_per_tenant=cap, batch_size=200, target_batch_time=0)
+    plan = purge(conn, policy)
+    counts = ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key)
+    # Each tenant stops at the first batch that takes it to the cap; its remaining rows are deferred.
+    assert all(cap <= counts[t] < cap + 200 for t in expected)
+    left = per_tenant_eligible(admin, table)
+    assert all(left[t] == expected[t] - counts[t] > 0 for t in expected)
+    ledger = Ledger(policy.ledger_schema)
+    assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok  # not a failure
+    leftovers = measure_leftovers(conn, policy, CUTOFF, ledger=ledger, run_key=plan.run_key)
+    assert leftovers.count == sum(left.values()) and leftovers.lag_seconds > 0
+
+
+def test_bad_tenant_maps_are_refused_naming_the_field(schema: str, conn: Any, admin: Any) -> None:
+    with pytest.raises(PolicyError) as info:
+        one_pass(schema, tenant_retention={1: "forever"})
+    assert info.value.field == "tenant_retention" and "tenant 1" in str(info.value)
+    with pytest.raises(PolicyError) as info:
+        one_pass(schema, tenant_retention=["1", "2"])
+    assert info.value.field == "tenant_retention"
+    with pytest.raises(PolicyError) as info:
+        make_policy(schema, tenant_retention={1: "9 days"}, chunk_by="block")
+    assert info.value.field == "tenant_retention" and "needs tenant_column" in str(info.value)
+    with pytest.raises(PolicyError) as info:
+        one_pass(schema, max_rows_per_tenant=0)
+    assert info.value.field == "max_rows_per_tenant"
+    table = interleaved(admin, schema, 1_000)
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    with pytest.raises(PermanentError, match=r"field 'tenant_retention': tenant 'acme' is not a value of column"):
+        plan_run(conn, one_pass(schema, tenant_retention={"acme": "9 days"}), CUTOFF)
+    rows(admin, f'CREATE TABLE "{schema}".keep (tenant integer, days integer)')
+    with pytest.raises(PermanentError, match=r"field 'tenant_retention_table'.*lacks column\(s\) tenant_id, retention"):
+        plan_run(conn, one_pass(schema, tenant_retention_table=f"{schema}.keep"), CUTOFF)
+    assert scalar(admin, f"SELECT count(*) FROM {table}") == before
+    assert Ledger(f"{schema}_ledger").version(conn) is None or not rows(admin, f'SELECT 1 FROM "{schema}_ledger".runs')
