@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from airflow_retention.core.engine import run_chunk  # noqa: E402
+from airflow_retention.core.ledger import Ledger  # noqa: E402
 from airflow_retention.core.planner import compute_plan, plan_run  # noqa: E402
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
@@ -81,18 +82,31 @@ for data in json.loads(os.environ["BENCH_POLICIES"]):
 """
 
 
-def bench_policy(*, chunk_by: str = "block", tenants: bool = False, max_active_chunks: int = 1) -> RetentionPolicy:
+# Five tenants that keep their rows twice as long: the one-pass run with per-tenant retention.
+OVERRIDES = {str(t): "2 days" for t in range(1, 6)}
+
+
+def bench_policy(
+    *,
+    chunk_by: str = "block",
+    tenants: bool = False,
+    max_active_chunks: int = 1,
+    one_pass: bool = False,
+    overrides: bool = False,
+) -> RetentionPolicy:
     """The policy every engine method runs: the project's defaults (batch size, adaptive batches,
     chunk_rows), a condition; block ranges (the default here, for an append-mostly events table), key
-    ranges, or per-tenant key ranges."""
+    ranges, per-tenant key ranges, or block ranges of every tenant in one pass (``one_pass``, with
+    per-tenant retention for five tenants with ``overrides``)."""
     return RetentionPolicy(
-        chunk_by="key" if tenants else chunk_by,
+        chunk_by="block" if one_pass else ("key" if tenants else chunk_by),
+        tenant_retention=OVERRIDES if overrides else {},
         name="bench",
         conn_id="retention_target",
         table="bench.events",
         key_column="id",
         timestamp_column="created_at",
-        tenant_column="tenant_id" if tenants else None,
+        tenant_column="tenant_id" if tenants or one_pass else None,
         retention="1 day",
         condition="status <> 'open'",
         ledger_schema="bench_ledger",
@@ -280,9 +294,11 @@ def limit_loop(dsn: str) -> tuple[int, dict[str, Any]]:
     return rows, {"transactions": loops}
 
 
-def engine(dsn: str, workers: int, chunk_by: str = "block", tenants: bool = False) -> tuple[int, dict[str, Any]]:
+def engine(
+    dsn: str, workers: int, chunk_by: str = "block", tenants: bool = False, **policy_kwargs: Any
+) -> tuple[int, dict[str, Any]]:
     """The planner, then the chunks shared by ``workers`` threads, each with its own connection."""
-    policy = bench_policy(chunk_by=chunk_by, tenants=tenants)
+    policy = bench_policy(chunk_by=chunk_by, tenants=tenants, **policy_kwargs)
     conn = psycopg2.connect(dsn)
     started = time.perf_counter()
     plan = plan_run(conn, policy, CUTOFF)
@@ -312,7 +328,14 @@ def engine(dsn: str, workers: int, chunk_by: str = "block", tenants: bool = Fals
         t.start()
     for t in threads:
         t.join()
+    extra: dict[str, Any] = {}
+    if policy.tenant_column is not None and policy.chunk_by == "block":
+        c = psycopg2.connect(dsn)
+        counted = sum(t["rows_deleted"] for t in Ledger(policy.ledger_schema).tenant_counts(c, plan.run_key))
+        c.close()
+        extra = {"tenant_counts_total": counted, "tenant_counts_match_rows_gone": counted == totals["rows"]}
     return int(totals["rows"]), {
+        **extra,
         "chunks": len(plan.chunks),
         "batches": totals["batches"],
         "planning_s": round(planning, 2),
@@ -560,6 +583,10 @@ def main(argv: list[str] | None = None) -> int:
             methods.append(("c. planner + engine, key ranges, 1 worker", lambda: engine(dsn, 1, "key")))
             if not args.skip_tenants:
                 methods.append(("c. planner + engine, per-tenant keys, 1 worker", lambda: engine(dsn, 1, tenants=True)))
+            methods.append(("c. one pass over all tenants, 1 worker", lambda: engine(dsn, 1, one_pass=True)))
+            methods.append(
+                ("c. one pass, 5 tenants keep 2 days, 1 worker", lambda: engine(dsn, 1, one_pass=True, overrides=True))
+            )
         if "d" in args.methods:
             methods.append(("d. whole DAG, dag.test()", lambda: dag_test(dsn)))
         results: list[Result | None] = []

@@ -39,7 +39,8 @@ if {"audit_log", "webhook_deliveries"} <= set(policies):
             return f"webhook purge: {purge['rows_deleted']} row(s) in {purge['batches']} batch(es)"
 
         audit = retention_task_group(policies["audit_log"], group_id="purge_audit_log")
-        # A lone chunk: one explicit key range, with a ledger run of its own ("...#lone").
+        # A lone chunk with a ledger run of its own ("...#lone"): the whole table, as the policy chunks by
+        # blocks (lo/hi are block numbers; the range stops at the table's last block).
         webhooks = RetentionChunkOperator(
             task_id="purge_old_webhooks",
             policy=policies["webhook_deliveries"],

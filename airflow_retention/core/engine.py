@@ -152,14 +152,17 @@ def run_chunk(
     throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
     cutoffs = tenants.frozen(conn, ledger, policy, key, cutoff)
     params: dict[str, Any] = {**cutoffs.params(), "hi": chunk.hi}
-    rows_per_block = 1.0
+    rows_per_block, end = 1.0, chunk.hi
     if by_block:
         try:
-            rows_per_block = _rows_per_block(conn, leaf or policy.table)
+            blocks, rows_per_block = _block_extent(conn, leaf or policy.table)
         except PermanentError:
             if leaf is None:
                 raise
-            rows_per_block = 50.0  # the leaf is gone: its first batch says so and completes the chunk
+            blocks, rows_per_block = chunk.hi, 50.0  # the leaf is gone: its first batch says so
+        # Blocks past the table's end when the chunk starts hold no row yet: a range that runs past it
+        # (a lone chunk given 0 to 2**62, a table truncated by VACUUM since planning) stops there.
+        end = min(chunk.hi, blocks)
     try:
         while True:
             throttler.wait_until_calm(conn)
@@ -198,10 +201,10 @@ def run_chunk(
                         batch["xt"] = ledger.tenants_at_cap(cur, key, policy.max_rows_per_tenant)
                     if by_block:
                         # Blocks instead of keys: as many as hold about ``size`` rows.
-                        upper = min(chunk.hi, next_key + max(1, round(size / rows_per_block)))
+                        upper = max(next_key, min(end, next_key + max(1, round(size / rows_per_block))))
                         last_key = upper - 1
                         cur.execute(statement, {**batch, "lo_tid": f"({next_key},0)", "hi_tid": f"({upper},0)"})
-                        full = upper < chunk.hi
+                        full = upper < end
                     else:
                         assert walk is not None
                         cur.execute(walk, batch)
@@ -373,12 +376,13 @@ def _partition_chunk(
     return result
 
 
-def _rows_per_block(conn: Any, relation: TableName) -> float:
-    """The table's rows per block by the server's estimate, to turn a batch size into blocks."""
+def _block_extent(conn: Any, relation: TableName) -> tuple[int, float]:
+    """The table's size in blocks now, and its rows per block by the server's estimate (to turn a batch
+    size into blocks)."""
     blocks, reltuples, _ = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": relation.regclass_literal})[0]
     if not blocks or reltuples is None or reltuples <= 0:
-        return 50.0  # never analysed: a guess, corrected by the adaptive batch size
-    return max(1.0, float(reltuples) / float(blocks))
+        return int(blocks or 0), 50.0  # never analysed: a guess, corrected by the adaptive batch size
+    return int(blocks), max(1.0, float(reltuples) / float(blocks))
 
 
 def _ensure_chunk_row(

@@ -138,3 +138,18 @@ def test_an_unknown_chunk_by_is_refused(schema: str) -> None:
     with pytest.raises(PolicyError) as info:
         make_policy(schema, chunk_by="pages")
     assert info.value.field == "chunk_by" and "'key' or 'block'" in str(info.value)
+
+
+def test_a_lone_block_chunk_over_the_whole_range_stops_at_the_tables_end(schema: str, conn: Any, admin: Any) -> None:
+    from airflow_retention.core.ledger import ChunkSpec
+
+    name = table(admin, schema)
+    expected = eligible_ids(admin, name)
+    policy = block_policy(schema)
+    chunk = ChunkSpec(key="all:0-4611686018427387904", lo=0, hi=2**62)
+    result = run_chunk(conn, policy, CUTOFF, chunk, lone=True)
+    assert result.rows_deleted == len(expected) > 0
+    assert eligible_ids(admin, name) == []
+    # It stopped at the table's last block: a handful of batches, not 2**62 blocks' worth.
+    assert result.batches <= relation_blocks(admin, name) + 1
+    assert run_chunk(conn, policy, CUTOFF, chunk, lone=True).already_complete
