@@ -194,18 +194,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
             verification = verify_run(conn, ledger, key)
             run = ledger.get_run(conn, key)
             chunks = ledger.chunk_rows(conn, key) if run is not None else []
+            per_tenant = ledger.tenant_counts(conn, key) if run is not None else []
+            tenant_cutoffs = ledger.tenant_cutoffs(conn, key) if run is not None else []
         else:
             verification, run, chunks = _no_ledger_verification(key), None, []
-        leftovers = measure_leftovers(conn, policy, cutoff) if args.leftovers else None
+            per_tenant, tenant_cutoffs = [], []
+        leftovers = (
+            measure_leftovers(conn, policy, cutoff, ledger=ledger if run else None, run_key=key, record=False)
+            if args.leftovers
+            else None
+        )
     if args.json:
         from airflow_retention.cli.render import emit_json
 
-        emit_json(verify_json(policy, cutoff, verification, run, chunks, leftovers))
+        data = verify_json(policy, cutoff, verification, run, chunks, leftovers)
+        data["tenants"] = per_tenant
+        data["tenant_cutoffs"] = [
+            {"tenant": t, "retention": r, "cutoff": iso(c), "source": s} for t, r, c, s in tenant_cutoffs
+        ]
+        emit_json(data)
     else:
-        from airflow_retention.cli.render import print_verification
+        from airflow_retention.cli.render import print_tenants, print_verification
 
         described = leftovers.describe(cutoff) if leftovers is not None else None
         print_verification(_console(args), verification, chunks, described, args.chunks)
+        print_tenants(_console(args), per_tenant, tenant_cutoffs, args.chunks)
     return EXIT_OK if verification.ok else EXIT_INCOMPLETE
 
 

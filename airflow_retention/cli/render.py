@@ -169,6 +169,24 @@ def partitions_table(decisions: Sequence[Any]) -> Table:
     return table
 
 
+def print_tenants(
+    console: Console, per_tenant: list[dict[str, Any]], cutoffs: Sequence[tuple[Any, ...]], max_rows: int
+) -> None:
+    """Rows deleted per tenant (one-pass tenant policies) and the run's frozen per-tenant cutoffs."""
+    if cutoffs:
+        shown = ", ".join(f"{t} before {short(c)} ({r}, {s})" for t, r, c, s in cutoffs[:max_rows])
+        more = f" and {len(cutoffs) - max_rows} more" if len(cutoffs) > max_rows else ""
+        console.print(f"  tenants with a retention of their own: {escape(shown)}{more}", soft_wrap=True)
+    if per_tenant:
+        total = sum(t["rows_deleted"] for t in per_tenant)
+        top = ", ".join(f"{t['tenant']} {t['rows_deleted']:,}" for t in per_tenant[:max_rows])
+        more = f" … ({len(per_tenant) - max_rows} more)" if len(per_tenant) > max_rows else ""
+        console.print(
+            f"  rows deleted per tenant ({len(per_tenant)} tenant(s), {total:,} in all): {escape(top)}{more}",
+            soft_wrap=True,
+        )
+
+
 def tenants_text(tenants: Sequence[str] | None) -> str:
     if tenants is None:
         return "all"

@@ -108,9 +108,12 @@ def measure_leftovers(
     ledger: Ledger | None = None,
     run_key: str | None = None,
     target: TargetInfo | None = None,
+    record: bool = True,
 ) -> Leftovers:
     """Find the oldest eligible row before ``cutoff`` and count those left (up to :data:`LEFTOVER_CAP`);
-    record them on the run's ledger row when ``ledger`` and ``run_key`` are given. Rows reopened or
+    record them on the run's ledger row when ``ledger`` and ``run_key`` are given (and ``record``). With
+    per-tenant rules, each tenant is measured against the run's frozen cutoff of that tenant, and the
+    rows of tenants held back by ``max_rows_per_tenant`` count as left (deferred). Rows reopened or
     inserted with old timestamps after planning show up here, as do chunks that left rows behind."""
     cutoff = as_utc(cutoff)
     dbapi.prepare(conn)
@@ -129,7 +132,7 @@ def measure_leftovers(
         aware = oldest if oldest.tzinfo else oldest.replace(tzinfo=timezone.utc)
         lag = max(0.0, (cutoff - aware).total_seconds())
     leftovers = Leftovers(oldest=oldest, count=int(count), lag_seconds=lag)
-    if ledger is not None and run_key is not None:
+    if record and ledger is not None and run_key is not None:
         ledger.record_cleanup_lag(conn, run_key, oldest=oldest, left=leftovers.count, lag_seconds=lag)
     return leftovers
 

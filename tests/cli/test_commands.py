@@ -333,3 +333,34 @@ def test_unknown_policy_in_a_file_with_a_bad_policy_is_reported(capsys: Any, sch
     assert result.code == 2
     assert "policy 'broken'" in result.err and "skipped" in result.err
     assert "known policies: events_purge" in result.err
+
+
+def test_verify_shows_rows_per_tenant_and_the_frozen_tenant_cutoffs(
+    capsys: Any, admin: Any, schema: str, tmp_path: Path, conn: Any
+) -> None:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 3_000, tenant="1 + mod(g, 3)")
+    data = policy_data(
+        schema, chunk_by="block", tenant_column="tenant_id", tenant_retention={"2": "60 days"}, chunk_rows=1_000
+    )
+    path = write_policies(tmp_path / "policies.yaml", data)
+    policy = make_policy(schema, **{k: v for k, v in data.items() if k not in ("name",)})
+    plan = plan_run(conn, policy, CUTOFF)
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    per_tenant = dict(
+        rows(
+            admin,
+            f'SELECT tenant, sum(rows_deleted)::bigint FROM "{schema}_ledger".tenant_counts GROUP BY 1',
+        )
+    )
+    assert set(per_tenant) == {"1", "3"}  # tenant 2 keeps 60 days: none of its rows is old enough
+    args = ["--policies", str(path), "--dsn", DSN, "verify", "events_purge", "--date", RUN_DATE]
+    result = run_cli(capsys, *args, "--leftovers")
+    assert result.code == 0, result.err
+    assert "tenants with a retention of their own: 2 before 2024-05-02" in result.out
+    assert f"rows deleted per tenant (2 tenant(s), {sum(per_tenant.values()):,} in all)" in result.out
+    assert "no eligible row left before the cutoff" in result.out
+    found = run_cli(capsys, "--json", *args).json()
+    assert {t["tenant"]: t["rows_deleted"] for t in found["tenants"]} == per_tenant
+    assert [(c["tenant"], c["source"]) for c in found["tenant_cutoffs"]] == [("2", "policy")]
