@@ -187,8 +187,8 @@ def warn_interleaved_tenants(conn: Any, policy: RetentionPolicy) -> float | None
         log.warning(
             "policy %s: the rows of different %s values are interleaved in %s (correlation %.2f with the"
             " table's physical order): per-tenant chunks rewrite each block once per tenant, with much"
-            " more WAL and time than one pass; use chunk_by 'block' or drop tenant_column unless per-tenant"
-            " fairness is worth it (docs/performance.md)",
+            " more WAL and time than one pass; use chunk_by 'block' (one pass over every tenant, rows still"
+            " counted per tenant) unless per-tenant chunks are worth it (docs/performance.md)",
             policy.name,
             policy.tenant_column,
             policy.table,
