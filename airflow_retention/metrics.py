@@ -48,6 +48,14 @@ def batch(policy: RetentionPolicy, report: BatchReport) -> None:
         _safely(stats.incr, _name("backoffs", policy), report.backoffs, tags=tags)
 
 
+def partition(policy: RetentionPolicy, outcome: str, rows: int, seconds: float) -> None:
+    """A whole partition dropped or detached by a partition chunk: its rows count as deleted."""
+    tags = {**_tags(policy), "outcome": outcome}
+    _safely(stats.incr, _name("rows_deleted", policy), rows, tags=tags)
+    _safely(stats.incr, _name(f"partitions_{outcome}", policy), 1, tags=tags)
+    _safely(stats.timing, _name("partition_seconds", policy), timedelta(seconds=seconds), tags=tags)
+
+
 def chunk_retried(policy: RetentionPolicy) -> None:
     """A chunk task started on a retry (try 2 or later): a redelivery."""
     _safely(stats.incr, _name("chunks_retried", policy), 1, tags=_tags(policy))

@@ -348,19 +348,8 @@ def _partition_chunk(
     else:
         result.rows_deleted = outcome.rows
     if not outcome.already_complete:
+        # One step, not a batch: batch_log (and the batch metrics, longest batch) stay for real batches.
         result.batches = 1
-        result.batch_log.append(
-            BatchReport(
-                lo=chunk.lo,
-                hi=chunk.hi,
-                tenant=None,
-                size=0,
-                deleted=result.rows_deleted,
-                archived=0,
-                matched=result.rows_matched,
-                ms=result.seconds * 1000,
-            )
-        )
         log.info(
             "chunk %s: %s %s: %s, %d row(s) (%s) in %.2f s",
             chunk.key,

@@ -236,6 +236,8 @@ class RetentionChunkOperator(BaseOperator):
             raise fail_fast(exc) from exc
         if not result.already_complete:
             metrics.chunk_done(self.policy, result.seconds)
+            if result.outcome in ("dropped", "detached"):
+                metrics.partition(self.policy, result.outcome, result.rows_deleted, result.seconds)
         summary = result.summary()
         if result.already_complete:
             self.log.info("chunk %s: already complete in the ledger; nothing deleted", chunk.key)

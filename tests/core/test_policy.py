@@ -94,9 +94,9 @@ def test_key_column_is_optional_with_block_chunks_only() -> None:
     assert info.value.field == "key_column" and "chunk_by 'block' needs no key" in str(info.value)
 
 
-def test_chunk_by_defaults_to_block_and_to_key_with_tenants() -> None:
+def test_chunk_by_defaults_to_block_with_or_without_tenants() -> None:
     assert build().chunk_by == "block"
-    assert build(tenant_column="tenant_id").chunk_by == "key"
+    assert build(tenant_column="tenant_id").chunk_by == "block"  # one pass over every tenant
     assert build(chunk_by="key").chunk_by == "key"
 
 

@@ -37,6 +37,7 @@ policies:
     key_column: id
     timestamp_column: created_at
     tenant_column: tenant_id
+    chunk_by: key
     condition: status <> 'open'
     retention: 10 days
     batch_size: 500
