@@ -80,10 +80,15 @@ class ChunkResult:
     resumed_from: int | None = None
     outcome: str | None = None
     batch_log: list[BatchReport] = field(default_factory=list)
+    tenant_rows: dict[str, int] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("batch_log")
+        data.pop("tenant_rows")
+        if self.tenant_rows:  # one-pass tenant chunks: the tenants this attempt deleted most of
+            data["tenants"] = len(self.tenant_rows)
+            data["top_tenants"] = sorted(self.tenant_rows.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
         data["seconds"] = round(self.seconds, 3)
         data["backoff_seconds"] = round(self.backoff_seconds, 3)
         data["longest_batch_ms"] = round(max((b.ms for b in self.batch_log), default=0.0), 1)
@@ -216,6 +221,9 @@ def run_chunk(
                         per_tenant = cur.fetchall()
                         deleted, archived, matched = (sum(int(r[i]) for r in per_tenant) for i in (1, 2, 3))
                         ledger.add_tenant_counts(cur, key, chunk.key, per_tenant)
+                        for tenant_value, n, _, m in per_tenant:
+                            counted = int(m) if policy.dry_run else int(n)
+                            result.tenant_rows[tenant_value] = result.tenant_rows.get(tenant_value, 0) + counted
                     elif batch_statement_returns_counts(policy):
                         deleted, archived, matched = cur.fetchone()
                     else:

@@ -255,6 +255,13 @@ class RetentionChunkOperator(BaseOperator):
                 if result.backoffs
                 else "",
             )
+            if summary.get("top_tenants"):
+                self.log.info(
+                    "chunk %s: %d tenant(s); most rows: %s",
+                    chunk.key,
+                    summary["tenants"],
+                    ", ".join(f"{t} {n:,}" for t, n in summary["top_tenants"]),
+                )
         return summary
 
 

@@ -93,6 +93,18 @@ def test_one_pass_deletes_every_tenant_and_counts_each_exactly(schema: str, conn
     assert verify_run(conn, Ledger(policy.ledger_schema), plan.run_key, [c.key for c in plan.chunks]).ok
 
 
+def test_a_chunk_summary_names_its_top_tenants(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema, 2_000)
+    expected = per_tenant_eligible(admin, table)
+    policy = one_pass(schema, chunk_rows=100_000)
+    plan = plan_run(conn, policy, CUTOFF)
+    (chunk,) = plan.chunks
+    summary = run_chunk(conn, policy, plan.cutoff, chunk).summary()
+    assert summary["tenants"] == len(expected) == 8
+    top = sorted(expected.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
+    assert [tuple(t) for t in summary["top_tenants"]] == top
+
+
 def test_one_pass_with_an_archive_and_a_dry_run_counts_per_tenant(schema: str, conn: Any, admin: Any) -> None:
     table = interleaved(admin, schema, 3_000)
     rows(admin, f'CREATE TABLE "{schema}".archive (LIKE {table})')
