@@ -33,7 +33,8 @@ from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refu
 from airflow_retention.core.detach import gone_reason, partition_state, run_partition_chunk
 from airflow_retention.core.errors import PermanentError, RetentionError
 from airflow_retention.core.identifiers import TableName
-from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.isolation import TenantFailure, run_isolated
+from airflow_retention.core.ledger import Attempt, ChunkSpec, DeadLetter, Ledger, RunRecord
 from airflow_retention.core.pacing import BatchSizer, Throttler
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
@@ -43,6 +44,7 @@ from airflow_retention.core.sql import (
     batch_statement_returns_counts,
     batch_walk_statement,
     lock_statement,
+    tenants_in_batch_statement,
 )
 
 log = logging.getLogger(__name__)
@@ -156,7 +158,9 @@ def run_chunk(
     sizer = BatchSizer.for_policy(policy, ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None)
     throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
     cutoffs = tenants.frozen(conn, ledger, policy, key, cutoff)
-    params: dict[str, Any] = {**cutoffs.params(), "hi": chunk.hi}
+    params: dict[str, Any] = {**cutoffs.params(), "hi": chunk.hi, "only": None, "skip": []}
+    one_pass = batch_counts_tenants(policy)
+    tenants_statement = tenants_in_batch_statement(policy, target, leaf) if one_pass else ""
     rows_per_block, end = 1.0, chunk.hi
     if by_block:
         try:
@@ -204,11 +208,17 @@ def run_chunk(
                     batch = {**params, "lo": next_key, "limit": size, "tenant": tenant}
                     if policy.max_rows_per_tenant:
                         batch["xt"] = ledger.tenants_at_cap(cur, key, policy.max_rows_per_tenant)
+                    failures: list[TenantFailure] = []
                     if by_block:
                         # Blocks instead of keys: as many as hold about ``size`` rows.
                         upper = max(next_key, min(end, next_key + max(1, round(size / rows_per_block))))
                         last_key = upper - 1
-                        cur.execute(statement, {**batch, "lo_tid": f"({next_key},0)", "hi_tid": f"({upper},0)"})
+                        batch.update(lo_tid=f"({next_key},0)", hi_tid=f"({upper},0)")
+                        if one_pass:
+                            batch["skip"] = [d["tenant"] for d in ledger.open_dead_letters(cur, key, chunk.key)]
+                            per_tenant, failures = run_isolated(cur, statement, batch, tenants_statement)
+                        else:
+                            cur.execute(statement, batch)
                         full = upper < end
                     else:
                         assert walk is not None
@@ -217,13 +227,9 @@ def run_chunk(
                         last_key = int(extent[0]) if extent is not None else chunk.hi - 1
                         cur.execute(statement, {**batch, "upper": last_key})
                         full = extent is not None and last_key + 1 < chunk.hi
-                    if batch_counts_tenants(policy):
-                        per_tenant = cur.fetchall()
-                        deleted, archived, matched = (sum(int(r[i]) for r in per_tenant) for i in (1, 2, 3))
-                        ledger.add_tenant_counts(cur, key, chunk.key, per_tenant)
-                        for tenant_value, n, _, m in per_tenant:
-                            counted = int(m) if policy.dry_run else int(n)
-                            result.tenant_rows[tenant_value] = result.tenant_rows.get(tenant_value, 0) + counted
+                    if one_pass:
+                        deleted, archived, matched = _count_tenants(cur, ledger, key, chunk, per_tenant, result)
+                        _dead_letters(cur, ledger, policy, key, chunk, cutoffs, failures)
                     elif batch_statement_returns_counts(policy):
                         deleted, archived, matched = cur.fetchone()
                     else:
@@ -298,6 +304,9 @@ def run_chunk(
                 on_batch(report)
             if exhausted:
                 break
+        if one_pass:
+            redo = _Redo(conn, policy, key, chunk, cutoffs, ledger, statement, tenants_statement, params, result)
+            redo.settle(end, rows_per_block, sizer.size)
     except RetentionError as exc:
         backoffs, backoff_s = throttler.take()
         ledger.record_error(
@@ -308,6 +317,102 @@ def run_chunk(
     if result.already_complete:
         log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
     return result
+
+
+def _count_tenants(
+    cur: Any, ledger: Ledger, key: str, chunk: ChunkSpec, per_tenant: list[tuple[Any, ...]], result: ChunkResult
+) -> tuple[int, int, int]:
+    """Add a one-pass batch's per-tenant rows to the ledger (same transaction) and to the attempt's
+    tally; return the batch's totals (deleted, archived, matched)."""
+    ledger.add_tenant_counts(cur, key, chunk.key, per_tenant)
+    for tenant_value, n, _, m in per_tenant:
+        result.tenant_rows[tenant_value] = result.tenant_rows.get(tenant_value, 0) + int(n) + int(m)
+    deleted, archived, matched = (sum(int(r[i]) for r in per_tenant) for i in (1, 2, 3))
+    return deleted, archived, matched
+
+
+def _dead_letters(
+    cur: Any,
+    ledger: Ledger,
+    policy: RetentionPolicy,
+    key: str,
+    chunk: ChunkSpec,
+    cutoffs: tenants.TenantCutoffs,
+    failures: list[TenantFailure],
+) -> None:
+    for failure in failures:
+        log.warning(
+            "chunk %s: tenant %s failed and is left out of the chunk (dead letter): %s; the other tenants go on",
+            chunk.key,
+            failure.tenant,
+            failure.failure_class,
+        )
+        letter = DeadLetter(
+            failure.tenant, cutoffs.cutoff_of(failure.tenant), failure.failure_class, failure.sqlstate, failure.message
+        )
+        ledger.record_dead_letter(cur, key, chunk, letter)
+
+
+@dataclass
+class _Redo:
+    """A one-pass chunk's dead letters, after its range: a chunk that recorded some in this attempt
+    fails naming them (the other tenants are purged); a chunk found complete with open dead letters
+    (a retry, or a clear after the cause was fixed) deletes those tenants' eligible rows over its
+    blocks again, and resolves the dead letters of the tenants that now go through."""
+
+    conn: Any
+    policy: RetentionPolicy
+    key: str
+    chunk: ChunkSpec
+    cutoffs: tenants.TenantCutoffs
+    ledger: Ledger
+    statement: str
+    tenants_statement: str
+    params: dict[str, Any]
+    result: ChunkResult
+
+    def open_letters(self) -> list[dict[str, Any]]:
+        with dbapi.transaction(self.conn) as cur:
+            return self.ledger.open_dead_letters(cur, self.key, self.chunk.key)
+
+    def settle(self, end: int, rows_per_block: float, size: int) -> None:
+        letters = self.open_letters()
+        if not letters:
+            return
+        if self.result.already_complete:
+            self.result.already_complete = False
+            letters = self._again([d["tenant"] for d in letters], end, rows_per_block, size)
+            if not letters:
+                return
+        shown = "; ".join(f"tenant {d['tenant']}: {d['failure_class']}" for d in letters[:5])
+        raise PermanentError(
+            f"chunk {self.chunk.key}: {len(letters)} tenant(s) could not be purged and were left (dead letters):"
+            f" {shown}. The chunk's other tenants were purged. Fix the cause, then clear this chunk task: its"
+            " retry purges only those tenants"
+        )
+
+    def _again(self, failed: list[str], end: int, rows_per_block: float, size: int) -> list[dict[str, Any]]:
+        log.info("chunk %s: purging the rows of %d dead-lettered tenant(s) again: %s", self.chunk.key, len(failed),
+                 ", ".join(failed[:10]))  # fmt: skip
+        still: dict[str, TenantFailure] = {}  # a tenant that fails again is left out of the later batches
+        step = max(1, round(size / rows_per_block))
+        for lo in range(self.chunk.lo, max(self.chunk.lo, end), step):
+            going = [t for t in failed if t not in still]
+            if not going:
+                break
+            with dbapi.transaction(self.conn) as cur:
+                dbapi.set_local_timeouts(cur, self.policy.lock_timeout_ms, self.policy.statement_timeout_ms)
+                self.ledger.lock_chunk(cur, self.key, self.chunk.key)  # attempts of one chunk queue here
+                batch = {**self.params, "lo_tid": f"({lo},0)", "hi_tid": f"({min(end, lo + step)},0)"}
+                per_tenant, failures = run_isolated(cur, self.statement, batch, self.tenants_statement, only=going)
+                deleted, _, _ = _count_tenants(cur, self.ledger, self.key, self.chunk, per_tenant, self.result)
+                self.ledger.add_redone_rows(cur, self.key, self.chunk.key, deleted)
+                self.result.rows_deleted += deleted
+                still.update((f.tenant, f) for f in failures)
+        with dbapi.transaction(self.conn) as cur:
+            _dead_letters(cur, self.ledger, self.policy, self.key, self.chunk, self.cutoffs, list(still.values()))
+            self.ledger.resolve_dead_letters(cur, self.key, self.chunk.key, [t for t in failed if t not in still])
+            return self.ledger.open_dead_letters(cur, self.key, self.chunk.key)
 
 
 def _leaf_vanished(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: TableName) -> bool:

@@ -131,6 +131,23 @@ CREATE TABLE IF NOT EXISTS {s}.tenant_cutoffs (
     source             text NOT NULL CHECK (source IN ('policy', 'table')),
     PRIMARY KEY (run_key, tenant)
 );
+CREATE TABLE IF NOT EXISTS {s}.dead_letters (
+    run_key            text NOT NULL,
+    chunk_key          text NOT NULL,
+    tenant             text NOT NULL,
+    cutoff             timestamptz NOT NULL,
+    lo                 bigint NOT NULL,
+    hi                 bigint NOT NULL,
+    failure_class      text NOT NULL,
+    sqlstate           text,
+    message            text NOT NULL,
+    attempts           integer NOT NULL DEFAULT 1,
+    first_at           timestamptz NOT NULL DEFAULT clock_timestamp(),
+    last_at            timestamptz NOT NULL DEFAULT clock_timestamp(),
+    resolved_at        timestamptz,
+    PRIMARY KEY (run_key, chunk_key, tenant),
+    FOREIGN KEY (run_key, chunk_key) REFERENCES {s}.chunks (run_key, chunk_key) ON DELETE CASCADE
+);
 """,
 }
 
@@ -575,6 +592,56 @@ class Ledger:
         )
         return [(t, r, c, s) for t, r, c, s in rows]
 
+    def record_dead_letter(self, cur: Any, run_key: str, chunk: ChunkSpec, letter: DeadLetter) -> None:
+        """A tenant whose rows of the chunk failed permanently: kept open until a retry purges them."""
+        cur.execute(
+            f"INSERT INTO {self.s}.dead_letters AS d (run_key, chunk_key, tenant, cutoff, lo, hi, failure_class,"
+            " sqlstate, message) VALUES (%(r)s, %(c)s, %(t)s, %(cutoff)s::timestamptz, %(lo)s::bigint,"
+            " %(hi)s::bigint, %(fc)s, %(st)s, %(m)s)"
+            " ON CONFLICT (run_key, chunk_key, tenant) DO UPDATE SET attempts = d.attempts + 1,"
+            " failure_class = EXCLUDED.failure_class, sqlstate = EXCLUDED.sqlstate, message = EXCLUDED.message,"
+            " last_at = clock_timestamp(), resolved_at = NULL",
+            {
+                "r": run_key,
+                "c": chunk.key,
+                "t": letter.tenant,
+                "cutoff": letter.cutoff,
+                "lo": chunk.lo,
+                "hi": chunk.hi,
+                "fc": letter.failure_class,
+                "st": letter.sqlstate,
+                "m": letter.message[:2000],
+            },
+        )
+
+    def add_redone_rows(self, cur: Any, run_key: str, chunk_key: str, deleted: int) -> None:
+        """Rows a complete chunk deleted when it purged its dead-lettered tenants again."""
+        cur.execute(
+            f"UPDATE {self.s}.chunks SET rows_deleted = rows_deleted + %(n)s::bigint,"
+            " outcome = CASE WHEN %(n)s::bigint > 0 THEN 'deleted' ELSE outcome END,"
+            " last_batch_at = clock_timestamp() WHERE run_key = %(r)s AND chunk_key = %(c)s",
+            {"r": run_key, "c": chunk_key, "n": deleted},
+        )
+
+    def resolve_dead_letters(self, cur: Any, run_key: str, chunk_key: str, tenants: Sequence[str]) -> None:
+        cur.execute(
+            f"UPDATE {self.s}.dead_letters SET resolved_at = clock_timestamp() WHERE run_key = %(r)s"
+            " AND chunk_key = %(c)s AND tenant = ANY(%(t)s::text[]) AND resolved_at IS NULL",
+            {"r": run_key, "c": chunk_key, "t": list(tenants)},
+        )
+
+    def open_dead_letters(self, cur: Any, run_key: str, chunk_key: str | None = None) -> list[dict[str, Any]]:
+        """Unresolved dead letters of a run (of one chunk), oldest first."""
+        cur.execute(
+            "SELECT chunk_key, tenant, cutoff, lo, hi, failure_class, sqlstate, message, attempts, first_at,"
+            f" last_at FROM {self.s}.dead_letters WHERE run_key = %(r)s AND resolved_at IS NULL"
+            " AND (%(c)s::text IS NULL OR chunk_key = %(c)s::text) ORDER BY first_at, chunk_key, tenant",
+            {"r": run_key, "c": chunk_key},
+        )
+        names = ("chunk_key", "tenant", "cutoff", "lo", "hi", "failure_class", "sqlstate", "message", "attempts",
+                 "first_at", "last_at")  # fmt: skip
+        return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
     def tenants_at_cap(self, cur: Any, run_key: str, cap: int) -> list[str]:
         """Tenants that have had at least ``cap`` rows deleted in the run: later batches leave them out."""
         cur.execute(
@@ -618,6 +685,18 @@ class Ledger:
                 )
         except Exception:  # noqa: BLE001 - the connection may be the thing that failed
             pass
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One tenant's rows of a chunk that failed for a reason a retry cannot fix (a foreign key, a
+    privilege): the other tenants of the chunk are purged, this one is recorded and left."""
+
+    tenant: str
+    cutoff: datetime
+    failure_class: str
+    sqlstate: str | None
+    message: str
 
 
 # Chunk keys of policies with ``chunk_by: block`` start with this: their lo/hi are block numbers.

@@ -149,8 +149,10 @@ def batch_statement(
 
 def _tenant_batch(policy: RetentionPolicy, target: TargetInfo, table: str, in_batch: str) -> str:
     """The one-pass batch: every tenant's eligible rows of the blocks, and how many per tenant, in one
-    statement (``RETURNING`` the tenant alone unless rows are archived)."""
+    statement (``RETURNING`` the tenant alone unless rows are archived). ``%(only)s`` (text[], NULL
+    for all) restricts it to some tenants: the engine's way round a tenant whose rows fail."""
     tenant = quote_ident(str(policy.tenant_column))
+    in_batch += _tenant_choice(tenant)
     if policy.dry_run:
         return (
             f"SELECT {tenant}::text, 0::bigint, 0::bigint, count(*) FROM {table}\nWHERE {in_batch}\n"
@@ -169,6 +171,25 @@ def _tenant_batch(policy: RetentionPolicy, target: TargetInfo, table: str, in_ba
         f"SELECT d.t, d.n, coalesce(a.n, 0), 0::bigint\n"
         f"FROM (SELECT {tenant}::text AS t, count(*) AS n FROM deleted GROUP BY 1) d\n"
         f"LEFT JOIN (SELECT {tenant}::text AS t, count(*) AS n FROM archived GROUP BY 1) a USING (t) ORDER BY 1"
+    )
+
+
+def _tenant_choice(tenant: str) -> str:
+    """One-pass statements: only the ``%(only)s`` tenants (NULL: all), never the ``%(skip)s`` ones (the
+    chunk's dead letters: their rows failed, and are left)."""
+    return (
+        f"\n  AND (%(only)s::text[] IS NULL OR {tenant}::text = ANY(%(only)s::text[]))"
+        f"\n  AND {tenant}::text <> ALL(%(skip)s::text[])"
+    )
+
+
+def tenants_in_batch_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName | None = None) -> str:
+    """The tenants with eligible rows in a one-pass batch's blocks (``%(lo_tid)s``, ``%(hi_tid)s``)."""
+    tenant = quote_ident(str(policy.tenant_column))
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    return (
+        f"SELECT DISTINCT {tenant}::text FROM {(relation or policy.table).sql}\n"
+        f"WHERE ctid >= %(lo_tid)s::tid AND ctid < %(hi_tid)s::tid\n  AND {pred}{_tenant_choice(tenant)}\nORDER BY 1"
     )
 
 

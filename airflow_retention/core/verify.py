@@ -61,6 +61,9 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
     missing = [k if k in rows else f"{k} (no ledger row)" for k in expected if k not in complete]
     if expected_keys is None and run["chunks_expected"] > len(rows):
         missing.append(f"{run['chunks_expected'] - len(rows)} chunk row(s) deleted from the ledger")
+    with dbapi.transaction(conn) as cur:
+        letters = ledger.open_dead_letters(cur, run_key)
+    missing += [f"{d['chunk_key']} (tenant {d['tenant']} left: {d['failure_class']})" for d in letters]
     if expected_keys is not None and len(expected_keys) != run["chunks_expected"]:
         missing.append(
             f"the plan handed out {len(expected_keys)} chunk(s), the ledger's plan has {run['chunks_expected']}"

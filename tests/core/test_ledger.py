@@ -15,6 +15,8 @@ from tests.conftest import connect
 
 from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar, start_and_join
 
+LEDGER_TABLES = ["chunks", "dead_letters", "ledger_version", "runs", "tenant_counts", "tenant_cutoffs"]
+
 
 def _tables(admin: Any, schema: str) -> list[str]:
     return [
@@ -29,7 +31,7 @@ def test_ensure_creates_and_is_idempotent(schema: str, conn: Any, admin: Any) ->
     ledger = Ledger(f"{schema}_ledger")
     assert ledger.version(conn) is None
     assert ledger.ensure(conn) == SCHEMA_VERSION
-    assert _tables(admin, f"{schema}_ledger") == ["chunks", "ledger_version", "runs", "tenant_counts", "tenant_cutoffs"]
+    assert _tables(admin, f"{schema}_ledger") == LEDGER_TABLES
     migrated = scalar(admin, f'SELECT migrated_at FROM "{schema}_ledger".ledger_version')
     assert ledger.ensure(conn) == SCHEMA_VERSION
     assert ledger.version(conn) == SCHEMA_VERSION
@@ -66,7 +68,7 @@ def test_concurrent_ensure_on_a_fresh_schema(schema: str, conn: Any, admin: Any,
     assert results == [SCHEMA_VERSION] * callers
     assert Ledger(ledger_schema).version(conn) == SCHEMA_VERSION
     assert scalar(admin, f'SELECT count(*) FROM "{ledger_schema}".ledger_version') == 1
-    assert _tables(admin, ledger_schema) == ["chunks", "ledger_version", "runs", "tenant_counts", "tenant_cutoffs"]
+    assert _tables(admin, ledger_schema) == LEDGER_TABLES
 
 
 def test_newer_ledger_is_refused(schema: str, conn: Any, admin: Any) -> None:

@@ -281,3 +281,49 @@ def test_bad_tenant_maps_are_refused_naming_the_field(schema: str, conn: Any, ad
         plan_run(conn, one_pass(schema, tenant_retention_table=f"{schema}.keep"), CUTOFF)
     assert scalar(admin, f"SELECT count(*) FROM {table}") == before
     assert Ledger(f"{schema}_ledger").version(conn) is None or not rows(admin, f'SELECT 1 FROM "{schema}_ledger".runs')
+
+
+def test_a_failing_tenant_is_isolated_recorded_and_purged_by_the_retry(
+    schema: str, conn: Any, admin: Any, driver: str
+) -> None:
+    table = interleaved(admin, schema)
+    # Orders still reference some of tenant 3's expired rows: deleting them violates a foreign key.
+    rows(admin, f'CREATE TABLE "{schema}".orders (event_id bigint REFERENCES {table} (id))')
+    rows(
+        admin,
+        f'INSERT INTO "{schema}".orders SELECT id FROM {table} WHERE tenant_id = 3 AND status <> %(s)s'
+        " AND created_at < %(c)s ORDER BY id DESC LIMIT 5",
+        {"s": "open", "c": CUTOFF},
+    )
+    expected = per_tenant_eligible(admin, table)
+    policy = one_pass(schema, chunk_rows=100_000, batch_size=400, target_batch_time=0)
+    plan = plan_run(conn, policy, CUTOFF)
+    (chunk,) = plan.chunks
+    with pytest.raises(PermanentError, match=r"tenant 3: foreign key violation: rows of table orders still reference"):
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    left = per_tenant_eligible(admin, table)
+    assert set(left) == {"3"} and left["3"] >= 5  # every other tenant purged
+    counts = ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key)
+    assert {t: n for t, n in counts.items() if t != "3"} == {t: n for t, n in expected.items() if t != "3"}
+    (letter,) = rows(
+        admin,
+        f'SELECT tenant, sqlstate, failure_class, attempts, resolved_at FROM "{policy.ledger_schema}".dead_letters',
+    )
+    assert letter[:2] == ("3", "23503") and "orders" in letter[2] and letter[3] == 1 and letter[4] is None
+    ledger = Ledger(policy.ledger_schema)
+    verification = verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks])
+    assert not verification.ok and "tenant 3 left: foreign key violation" in verification.describe()
+    # Retried before the cause is fixed: still failing, counted as a second attempt, nothing else touched.
+    with pytest.raises(PermanentError, match="tenant 3"):
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    assert scalar(admin, f'SELECT attempts FROM "{policy.ledger_schema}".dead_letters') == 2
+    # The cause fixed, the retry purges tenant 3 alone and resolves its dead letter.
+    rows(admin, f'DELETE FROM "{schema}".orders')
+    result = run_chunk(conn, policy, plan.cutoff, chunk)
+    assert result.rows_deleted == left["3"] and not result.already_complete
+    assert per_tenant_eligible(admin, table) == {}
+    assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
+    assert ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)["rows_deleted"] == sum(expected.values())
+    assert scalar(admin, f'SELECT resolved_at IS NOT NULL FROM "{policy.ledger_schema}".dead_letters')
+    assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok
+    assert run_chunk(conn, policy, plan.cutoff, chunk).already_complete
