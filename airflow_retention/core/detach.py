@@ -200,9 +200,14 @@ def _finish(
             return PartitionOutcome(0, "", already_complete=True)
         assert chunk.partition_oid is not None
         state = partition_state(cur, policy, chunk.partition_oid)
-        if state is None or state.attached:
-            # Impossible unless someone re-attached or dropped it between our two transactions.
-            raise RetryableError(f"chunk {chunk.key}: partition {planned} changed during its detach; retrying")
+        if state is None:
+            # Someone dropped the table this chunk had detached: nothing is left to count or drop.
+            log.warning("chunk %s: partition %s was dropped by someone else after its detach", chunk.key, planned)
+            _complete(cur, ledger, run_key, chunk, attempt, 0, "partition_gone")
+            return PartitionOutcome(0, "partition_gone", how="dropped by someone else after the detach")
+        if state.attached:
+            # Re-attached since the detach: the retry sees it attached, its detach begun, and detaches again.
+            raise RetryableError(f"chunk {chunk.key}: partition {planned} was attached again during its detach")
         cur.execute(lock_statement(state.table, "SHARE"))
         cur.execute(count_statement(state.table))
         (rows,) = cur.fetchone()

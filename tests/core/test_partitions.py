@@ -266,3 +266,29 @@ def test_bad_partition_settings_name_the_field(schema: str, conn: Any, admin: An
         plan_run(conn, policy, CUTOFF)
     assert scalar(admin, f"SELECT count(*) FROM {table}") == before
     assert len(partitions_of(admin, table)) == 7
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_table_dropped_by_someone_else_after_our_detach_completes_the_chunk(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    create_monthly(admin, schema)
+    policy = policy_for(schema, expired_partitions="drop")
+    plan = plan_run(conn, policy, CUTOFF)
+    january = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+
+    def crash(step: str) -> None:
+        if step == "after_detach":
+            raise _Crash(step)
+
+    with pytest.raises(_Crash):
+        run_chunk(conn, policy, plan.cutoff, january, on_step=crash)
+    assert "m01" in relations_in(admin, schema) and f"{schema}.m01" not in partitions_of(admin, f'"{schema}".events')
+    rows(admin, f'DROP TABLE "{schema}".m01')
+    result = run_chunk(conn, policy, plan.cutoff, january)
+    assert (result.rows_deleted, result.outcome) == (0, "partition_gone")
+    row = next(c for c in ledger_chunks(admin, policy.ledger_schema, plan.run_key) if c["chunk_key"] == january.key)
+    assert (row["state"], row["outcome"]) == ("complete", "partition_gone")
