@@ -197,7 +197,7 @@ def database_now(conn: Any) -> datetime:
 @dataclass(frozen=True)
 class Alert:
     """One line of the warnings of a policy; ``kind`` is ``missed_run``, ``stuck``, ``not_verified``,
-    ``chunk_error`` or ``no_ledger``."""
+    ``chunk_error``, ``dead_letter`` or ``no_ledger``."""
 
     kind: str
     message: str
@@ -264,8 +264,34 @@ def policy_status(conn: Any, policy: Any, *, limit: int, as_of: datetime | None 
         return PolicyStatus(policy, None, as_of, warnings=[warning])
     runs = load_runs(conn, ledger, policy.name, limit, now)
     missed = find_missed(conn, ledger, policy, as_of)
-    warnings = [*missed_warnings(policy, missed), *run_warnings(runs, now)]
+    warnings = [*missed_warnings(policy, missed), *run_warnings(runs, now), *dead_letter_warnings(conn, ledger, runs)]
     return PolicyStatus(policy, version, as_of, runs, missed, warnings)
+
+
+def dead_letter_warnings(conn: Any, ledger: Any, runs: list[RunSummary]) -> list[Alert]:
+    """Tenants a one-pass chunk could not purge and left (open dead letters), per run."""
+    from airflow_retention.core import dbapi
+
+    if ledger.version(conn) < 4:
+        return []
+    out = []
+    for run in runs:
+        with dbapi.transaction(conn) as cur:
+            letters = ledger.open_dead_letters(cur, run.run_key)
+        if letters:
+            shown = "; ".join(
+                f"tenant {d['tenant']} of {d['chunk_key']}: {d['failure_class']} ({d['attempts']} attempt(s))"
+                for d in letters[:5]
+            )
+            out.append(
+                Alert(
+                    "dead_letter",
+                    f"run {run.run_key}: {len(letters)} tenant(s) left by their chunk (dead letters): {shown};"
+                    " fix the cause, then clear the chunk task (docs/runbook.md)",
+                    run.run_key,
+                )
+            )
+    return out
 
 
 def find_missed(conn: Any, ledger: Any, policy: Any, as_of: datetime) -> list[MissedRunInfo]:

@@ -364,3 +364,29 @@ def test_verify_shows_rows_per_tenant_and_the_frozen_tenant_cutoffs(
     found = run_cli(capsys, "--json", *args).json()
     assert {t["tenant"]: t["rows_deleted"] for t in found["tenants"]} == per_tenant
     assert [(c["tenant"], c["source"]) for c in found["tenant_cutoffs"]] == [("2", "policy")]
+
+
+def test_status_names_the_tenants_a_chunk_left_as_dead_letters(
+    capsys: Any, admin: Any, schema: str, tmp_path: Path, conn: Any
+) -> None:
+    from airflow_retention.core.errors import PermanentError
+
+    table = create_events(admin, schema)
+    fill_events(admin, table, 2_000, tenant="1 + mod(g, 3)")
+    rows(admin, f'CREATE TABLE "{schema}".orders (event_id bigint REFERENCES {table} (id))')
+    rows(
+        admin,
+        f"INSERT INTO \"{schema}\".orders SELECT id FROM {table} WHERE tenant_id = 2 AND status <> 'open'"
+        " AND created_at < %(c)s LIMIT 1",
+        {"c": CUTOFF},
+    )
+    data = policy_data(schema, chunk_by="block", tenant_column="tenant_id", chunk_rows=100_000)
+    path = write_policies(tmp_path / "policies.yaml", data)
+    policy = make_policy(schema, chunk_by="block", tenant_column="tenant_id", chunk_rows=100_000)
+    plan = plan_run(conn, policy, CUTOFF)
+    with pytest.raises(PermanentError):
+        run_chunk(conn, policy, plan.cutoff, plan.chunks[0])
+    result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "--json", "status", "events_purge")
+    warnings = [w for p in result.json()["policies"] for w in p["warnings"] if w["kind"] == "dead_letter"]
+    assert len(warnings) == 1 and "tenant 2 of blocks:" in warnings[0]["message"]
+    assert "foreign key violation: rows of table orders still reference them" in warnings[0]["message"]
