@@ -33,6 +33,7 @@ from airflow_retention.core.catalog import TargetInfo, check_detached_schema
 from airflow_retention.core.errors import PermanentError, RetryableError
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.partitions import needs_row_check
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
     PARTITION_STATE,
@@ -159,7 +160,19 @@ def run_partition_chunk(
             (rows,) = cur.fetchone()
             ledger.complete_chunk(cur, run_key, chunk, attempt, outcome="dry_run", matched=int(rows))
             return PartitionOutcome(int(rows), "dry_run", how="counted (dry run)")
-        atomic = not state.pending_detach and not ours_detached and (policy.condition or state.parent_has_default)
+        if state.pending_detach and not ours_detached and needs_row_check(policy) and not started:
+            log.warning(
+                "chunk %s: partition %s is pending detach by someone else's interrupted DETACH; its rows cannot be"
+                " checked against the condition or the tenant rule any more, so it is left as it is (FINALIZE"
+                " it by hand, docs/runbook.md)",
+                chunk.key,
+                planned,
+            )
+            _complete(cur, ledger, run_key, chunk, attempt, 0, "kept")
+            return PartitionOutcome(0, "kept", how="pending detach by someone else")
+        atomic = (
+            not state.pending_detach and not ours_detached and (needs_row_check(policy) or state.parent_has_default)
+        )
         if atomic:
             return _atomic(cur, policy, target, run_key, chunk, attempt, ledger, state, cutoffs=cutoffs, step=step)
         if not ours_detached and not state.pending_detach:
@@ -233,18 +246,18 @@ def _atomic(
     """Check, count, plain DETACH, drop or move, and the ledger, all in the caller's transaction."""
     assert state.parent is not None
     cur.execute(lock_statement(state.table, "SHARE"))
-    if policy.condition:
+    if needs_row_check(policy):
         cur.execute(ineligible_exists_statement(policy, target, state.table), cutoffs.params())
         if cur.fetchone()[0]:
             log.warning(
-                "chunk %s: partition %s holds a row the condition keeps (changed since planning): not %s;"
+                "chunk %s: partition %s holds a row the condition or the tenant rule keeps: not %s;"
                 " its eligible rows are deleted by the next run's block chunks",
                 chunk.key,
                 state.table,
                 "dropped" if chunk.action == "drop" else "detached",
             )
             _complete(cur, ledger, run_key, chunk, attempt, 0, "kept")
-            return PartitionOutcome(0, "kept", how="a row is kept by the condition")
+            return PartitionOutcome(0, "kept", how="a row is kept by the condition or has no tenant")
     cur.execute(count_statement(state.table))
     (rows,) = cur.fetchone()
     step("before_detach")

@@ -61,6 +61,8 @@ def run_isolated(
     """Run a one-pass batch statement (of the ``only`` tenants, all when None); if it fails permanently,
     run it again per tenant. Returns the per-tenant rows of what went through, and the tenants that
     failed. Raises what is not a permanent failure."""
+    # A deferred foreign key would only fail at COMMIT, past every savepoint: check them per statement.
+    cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
     cur.execute("SAVEPOINT retention_batch")
     try:
         cur.execute(statement, {**params, "only": only})

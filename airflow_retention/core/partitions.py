@@ -9,7 +9,8 @@ partition left pending by an interrupted ``DETACH … CONCURRENTLY``) and decide
   the cutoff holds only rows expired by time: with ``expired_partitions: detach`` or ``drop`` it is one
   **partition chunk** (``core/detach.py``) — the highest such partition below the table, so a wholly
   expired month that is itself sub-partitioned is detached once. With a ``condition``, only when a
-  check proves that no row of it is kept by the condition (checked again under lock when it runs);
+  check proves that no row of it is kept by the condition, nor lacks a tenant with a ``tenant_column``
+  (checked again under lock when it runs);
 - every other leaf is cut into **block chunks** of its own (TID range scans run on the leaf itself),
   from a sample of its blocks; a leaf whose sample finds nothing is probed once for any eligible row
   and skipped when it has none.
@@ -200,7 +201,11 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
             if unit.oid in actions:
                 continue
             _require_ownership(conn, policy, tree, unit)
-            if policy.condition and _holds_kept_rows(conn, policy, target, cutoffs, unit):
+            if needs_row_check(policy) and unit.pending_detach:
+                # Someone else's interrupted detach: not this policy's to finish without checking its rows
+                # under lock, which a pending partition no longer allows.
+                kept_by_condition.add(unit.oid)
+            elif needs_row_check(policy) and _holds_kept_rows(conn, policy, target, cutoffs, unit):
                 kept_by_condition.add(unit.oid)
                 log.info(
                     "policy %s: partition %s is wholly expired but holds rows the condition keeps: its eligible"
@@ -265,6 +270,12 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
         sum(1 for d in decisions if d.action == "skip"),
     )
     return plan
+
+
+def needs_row_check(policy: RetentionPolicy) -> bool:
+    """Whether time alone cannot prove a wholly expired partition's rows all eligible: a condition may keep
+    some, and with a tenant column a row without a tenant is never eligible."""
+    return bool(policy.condition) or policy.tenant_column is not None
 
 
 def _holds_kept_rows(

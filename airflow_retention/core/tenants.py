@@ -68,10 +68,20 @@ class TenantCutoffs:
 
 
 def frozen(conn: Any, ledger: Ledger, policy: RetentionPolicy, run_key: str, cutoff: datetime) -> TenantCutoffs:
-    """The run's cutoffs as its planner froze them in the ledger (none recorded: the run's cutoff for all)."""
-    if not has_per_tenant_rules(policy):
+    """The run's cutoffs as its planner froze them in the ledger (none recorded: the run's cutoff for all).
+    A run frozen with per-tenant cutoffs whose policy has lost its per-tenant rules since cannot honour
+    them (its statements would not test them): it fails, rather than purge those tenants early."""
+    if policy.tenant_column is None:
         return TenantCutoffs(cutoff)
-    return TenantCutoffs(cutoff, tuple(ledger.tenant_cutoffs(conn, run_key)))
+    overrides = tuple(ledger.tenant_cutoffs(conn, run_key))
+    if overrides and not has_per_tenant_rules(policy):
+        raise PermanentError(
+            f"policy {policy.name!r}: run {run_key} was planned with per-tenant retention for"
+            f" {len(overrides)} tenant(s), and the policy has none now: restore tenant_retention (or"
+            " tenant_retention_table) until the run is complete, or delete the run from the ledger and plan it"
+            " again; nothing was deleted"
+        )
+    return TenantCutoffs(cutoff, overrides)
 
 
 def has_per_tenant_rules(policy: RetentionPolicy) -> bool:
@@ -89,13 +99,16 @@ def compute(
     table without its columns, or a retention that is not positive; nothing is written."""
     found: dict[str, tuple[Retention | str, str]] = {}
     if policy.tenant_retention_table is not None:
-        for tenant, retention in _read_table(conn, policy, target):
-            found[tenant] = (retention, "table")
-    for tenant, retention in policy.tenant_retention:
-        found[tenant] = (retention, "policy")
+        table = _read_table(conn, policy, target)
+        canonical = _canonical(conn, policy, target, [t for t, _ in table], "tenant_retention_table")
+        for tenant, retention in table:
+            found[canonical[tenant]] = (retention, "table")
+    if policy.tenant_retention:
+        canonical = _canonical(conn, policy, target, [t for t, _ in policy.tenant_retention], "tenant_retention")
+        for tenant, retention in policy.tenant_retention:
+            found[canonical[tenant]] = (retention, "policy")
     if not found:
         return TenantCutoffs(cutoff)
-    _check_tenant_values(conn, policy, target, list(found))
     overrides = []
     table_rows = {t: r for t, (r, s) in found.items() if s == "table"}
     table_cutoffs = _table_cutoffs(conn, anchor, table_rows) if table_rows else {}
@@ -106,6 +119,15 @@ def compute(
             overrides.append((tenant, str(retention), tenant_cutoff, source))
         else:
             overrides.append((tenant, retention, table_cutoffs[tenant], source))
+    (now,) = dbapi.fetch_all(conn, "SELECT now()")[0]
+    future = [(t, c) for t, _, c, _ in overrides if c > now]
+    if future:
+        # A run dated later than now (a lone chunk's cutoff plus a long retention) would purge rows of a
+        # tenant with a short retention that have not expired yet.
+        raise PermanentError(
+            f"policy {policy.name!r}: tenant {future[0][0]!r}'s cutoff {future[0][1]:%Y-%m-%d %H:%M:%S}Z is in the"
+            " future (its retention is shorter than the time since this run's date): refusing; nothing was deleted"
+        )
     log.info(
         "policy %s: %d tenant(s) with a retention of their own: %s",
         policy.name,
@@ -160,13 +182,19 @@ def _table_cutoffs(conn: Any, anchor: datetime, rows: dict[str, Retention | str]
     return dict(found)
 
 
-def _check_tenant_values(conn: Any, policy: RetentionPolicy, target: TargetInfo, tenants: list[str]) -> None:
-    """Every overriding tenant value must be a value of the tenant column's type."""
+def _canonical(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, tenants: list[str], field_name: str
+) -> dict[str, str]:
+    """Each tenant value as the tenant column prints it (``'007'`` → ``'7'``, an upper-case uuid → lower
+    case): rows are matched by ``tenant_column::text``, so a value written another way would match
+    nothing and its tenant would get the default retention. A value the column cannot hold is refused."""
+    out = {}
     for tenant in tenants:
         try:
-            dbapi.fetch_all(conn, f"SELECT %(t)s::text::{target.tenant_type}", {"t": tenant})
+            (out[tenant],) = dbapi.fetch_all(conn, f"SELECT %(t)s::text::{target.tenant_type}::text", {"t": tenant})[0]
         except PermanentError:
             raise PermanentError(
-                f"policy {policy.name!r}: field 'tenant_retention': tenant {tenant!r} is not a value of column"
+                f"policy {policy.name!r}: field {field_name!r}: tenant {tenant!r} is not a value of column"
                 f" {policy.tenant_column!r} ({target.tenant_type}); nothing was deleted"
             ) from None
+    return out

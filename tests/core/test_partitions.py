@@ -292,3 +292,20 @@ def test_a_table_dropped_by_someone_else_after_our_detach_completes_the_chunk(
     assert (result.rows_deleted, result.outcome) == (0, "partition_gone")
     row = next(c for c in ledger_chunks(admin, policy.ledger_schema, plan.run_key) if c["chunk_key"] == january.key)
     assert (row["state"], row["outcome"]) == ("complete", "partition_gone")
+
+
+def test_an_expired_partition_with_a_row_without_tenant_is_not_dropped(schema: str, conn: Any, admin: Any) -> None:
+    table = create_monthly(admin, schema)
+    rows(admin, f"ALTER TABLE {table} ALTER COLUMN tenant_id DROP NOT NULL")
+    rows(admin, f'UPDATE {table} SET tenant_id = NULL WHERE id = (SELECT min(id) FROM "{schema}".m02)')
+    policy = policy_for(schema, expired_partitions="drop", tenant_column="tenant_id")
+    plan, _ = purge(conn, policy)
+    dropped = sorted(c.partition for c in plan.chunks if c.action)
+    assert f"{schema}.m02" not in dropped and f"{schema}.m01" in dropped
+    assert "m02" in relations_in(admin, schema)
+    # The row without a tenant is never eligible, so it stays; every other expired row is gone.
+    assert scalar(admin, f'SELECT count(*) FROM "{schema}".m02') == 1
+    assert (
+        scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at < %(c)s AND tenant_id IS NOT NULL", {"c": CUTOFF})
+        == 0
+    )

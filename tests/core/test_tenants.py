@@ -327,3 +327,62 @@ def test_a_failing_tenant_is_isolated_recorded_and_purged_by_the_retry(
     assert scalar(admin, f'SELECT resolved_at IS NOT NULL FROM "{policy.ledger_schema}".dead_letters')
     assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok
     assert run_chunk(conn, policy, plan.cutoff, chunk).already_complete
+
+
+def test_tenant_values_written_another_way_still_match_their_rows(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema)
+    # '007' and '+1' are tenants 7 and 1 of an integer column: rows print as '7' and '1'.
+    own = {"7": CUTOFF.replace(month=5, day=2), "1": CUTOFF.replace(month=5, day=2)}
+    expected = per_tenant_eligible(admin, table, own)
+    policy = one_pass(schema, tenant_retention={"007": "60 days", "+1": "60 days"})
+    plan = purge(conn, policy, anchor=ANCHOR)
+    assert [t for t, _, _, _ in Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)] == ["1", "7"]
+    assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
+    assert per_tenant_eligible(admin, table)["7"] > 0  # tenant 7's rows between 60 and 30 days are kept
+
+
+def test_a_tenant_cutoff_in_the_future_is_refused(schema: str, conn: Any, admin: Any) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from airflow_retention.core.ledger import ChunkSpec
+
+    table = interleaved(admin, schema, 1_000)
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    # A lone chunk with yesterday's cutoff: its run date is 90 days later, so a 7-day tenant's cutoff
+    # would be about 83 days in the future.
+    policy = one_pass(schema, retention="90 days", tenant_retention={"7": "7 days"})
+    yesterday = datetime.now(timezone.utc) - timedelta(days=1)
+    with pytest.raises(PermanentError, match=r"tenant '7'.s cutoff .* is in the future"):
+        run_chunk(conn, policy, yesterday, ChunkSpec(key="all:0-100000", lo=0, hi=100_000), lone=True)
+    assert scalar(admin, f"SELECT count(*) FROM {table}") == before
+
+
+def test_a_run_whose_policy_lost_its_tenant_rules_fails_rather_than_purge_early(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    table = interleaved(admin, schema, 2_000)
+    policy = one_pass(schema, tenant_retention={"1": "60 days"})
+    plan = plan_run(conn, policy, CUTOFF, anchor=ANCHOR)
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    with pytest.raises(PermanentError, match="planned with per-tenant retention"):
+        run_chunk(conn, one_pass(schema), plan.cutoff, plan.chunks[0])
+    assert scalar(admin, f"SELECT count(*) FROM {table}") == before
+
+
+def test_a_deferred_foreign_key_is_isolated_too(schema: str, conn: Any, admin: Any) -> None:
+    table = interleaved(admin, schema, 2_000)
+    rows(
+        admin,
+        f'CREATE TABLE "{schema}".orders (event_id bigint REFERENCES {table} (id) DEFERRABLE INITIALLY DEFERRED)',
+    )
+    rows(
+        admin,
+        f"INSERT INTO \"{schema}\".orders SELECT id FROM {table} WHERE tenant_id = 1 AND status <> 'open'"
+        " AND created_at < %(c)s LIMIT 1",
+        {"c": CUTOFF},
+    )
+    policy = one_pass(schema, chunk_rows=100_000)
+    plan = plan_run(conn, policy, CUTOFF)
+    with pytest.raises(PermanentError, match="tenant 1: foreign key violation"):
+        run_chunk(conn, policy, plan.cutoff, plan.chunks[0])
+    assert set(per_tenant_eligible(admin, table)) == {"1"}
