@@ -59,7 +59,6 @@ class Relation:
     blocks: int | None
     reltuples: float
     strategy: str | None  # of a partitioned relation: 'r' range, 'l' list, 'h' hash
-    has_default: bool
     key_column: str | None
 
     @property
@@ -83,7 +82,7 @@ def read_tree(conn: Any, policy: RetentionPolicy) -> dict[int, Relation]:
         conn, PARTITION_TREE, {"rel": policy.table.regclass_literal}, lock_timeout_ms=policy.lock_timeout_ms
     )
     tree = {}
-    for oid, parent, level, pending, kind, schema, name, bound, blocks, reltuples, strategy, default, key in rows:
+    for oid, parent, level, pending, kind, schema, name, bound, blocks, reltuples, strategy, key in rows:
         tree[int(oid)] = Relation(
             oid=int(oid),
             parent=int(parent) if parent is not None else None,
@@ -95,7 +94,6 @@ def read_tree(conn: Any, policy: RetentionPolicy) -> dict[int, Relation]:
             blocks=int(blocks) if blocks is not None else None,
             reltuples=float(reltuples or 0.0),
             strategy=strategy,
-            has_default=bool(default),
             key_column=key,
         )
     return tree
@@ -188,7 +186,7 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
     decisions: list[PartitionDecision] = []
     actions: dict[int, Relation] = {}
     row_leaves: list[RowLeaf] = []
-    kept_by_condition: set[int] = set()
+    not_whole: set[int] = set()  # wholly expired, yet purged row by row (a row is kept, or a pending detach)
     for leaf in (r for r in tree.values() if r.kind in ("r", "f") and r.parent is not None):
         chain = _chain(tree, leaf)
         pending = next((r for r in chain if r.pending_detach and not tree[r.parent].pending_detach), None)
@@ -197,16 +195,16 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
             continue
         expired = [r for r in chain if flags[r.oid][1]]
         unit = expired[-1] if expired else None  # the highest wholly expired partition
-        if acting and unit is not None and unit.oid not in kept_by_condition:
+        if acting and unit is not None and unit.oid not in not_whole:
             if unit.oid in actions:
                 continue
             _require_ownership(conn, policy, tree, unit)
             if needs_row_check(policy) and unit.pending_detach:
                 # Someone else's interrupted detach: not this policy's to finish without checking its rows
                 # under lock, which a pending partition no longer allows.
-                kept_by_condition.add(unit.oid)
+                not_whole.add(unit.oid)
             elif needs_row_check(policy) and _holds_kept_rows(conn, policy, target, cutoffs, unit):
-                kept_by_condition.add(unit.oid)
+                not_whole.add(unit.oid)
                 log.info(
                     "policy %s: partition %s is wholly expired but holds rows the condition keeps: its eligible"
                     " rows are deleted in batches and it stays",

@@ -279,8 +279,7 @@ RELATION_KIND = "SELECT c.relkind::text FROM pg_catalog.pg_class c WHERE c.oid =
 # Every relation of a partitioned table's tree, pending detaches included (pg_partition_tree leaves
 # them out): oid, parent oid, level, whether it or an ancestor is pending detach, kind, schema, name,
 # its partition bound, its size in blocks and estimated rows (tables), and, for a partitioned one,
-# its strategy, whether it has a DEFAULT partition and its key column (NULL for an expression or
-# several columns).
+# its strategy and its key column (NULL for an expression or several columns).
 PARTITION_TREE = """
 WITH RECURSIVE tree AS (
     SELECT c.oid AS relid, NULL::oid AS parent, 0 AS level, false AS pending
@@ -294,7 +293,6 @@ SELECT t.relid::bigint, t.parent::bigint, t.level, t.pending, c.relkind::text, n
        CASE WHEN c.relkind = 'r' THEN pg_catalog.pg_relation_size(c.oid) / current_setting('block_size')::bigint END,
        c.reltuples::float8,
        p.partstrat::text,
-       coalesce(p.partdefid <> 0, false),
        (SELECT a.attname::text FROM pg_catalog.pg_attribute a
         WHERE a.attrelid = p.partrelid AND p.partnatts = 1 AND a.attnum = p.partattrs[0])
 FROM tree t

@@ -60,9 +60,6 @@ class TenantCutoffs:
             "xt": list(self.excluded),
         }
 
-    def excluding(self, tenants: list[str]) -> TenantCutoffs:
-        return TenantCutoffs(self.cutoff, self.overrides, tuple(tenants))
-
     def cutoff_of(self, tenant: str) -> datetime:
         return next((c for t, _, c, _ in self.overrides if t == tenant), self.cutoff)
 
