@@ -13,6 +13,7 @@ from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF
 from airflow_retention.core.errors import PolicyError
 from airflow_retention.core.policy import DAG_ID_PREFIX, RetentionPolicy, load_policies_lenient
 from airflow_retention.operators.retention import (
+    CHUNK_LABEL_TEMPLATE,
     RetentionChunkOperator,
     RetentionPlanOperator,
     RetentionVacuumOperator,
@@ -62,7 +63,7 @@ def retention_task_group(
         chunk_args: dict[str, Any] = {
             **defaults,
             "max_active_tis_per_dagrun": policy.max_active_chunks,
-            "map_index_template": "{{ task.chunk_label }}",
+            "map_index_template": CHUNK_LABEL_TEMPLATE,
         }
         if policy.pool:
             chunk_args["pool"] = policy.pool

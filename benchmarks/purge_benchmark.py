@@ -3,6 +3,7 @@ whole DAG through ``dag.test()`` and under the real scheduler, measured side by 
 
     python benchmarks/purge_benchmark.py [--rows N | --large] [--workers 1 2] [--methods a b c d e]
                                          [--memory-sizes 2000000 10000000] [--dsn DSN] [--json out.json]
+                                         [--compare OTHER_SIZE.json [--project-rows 100000000]]
 
 Builds a table of N rows (realistic width, primary key, an index on the timestamp and on (tenant, id),
 about 56 % eligible) once, copies it before each method so every method starts from the same table, and
@@ -11,7 +12,8 @@ for each method measures: wall seconds, rows/s, the longest writing transaction 
 before and after), and the p50/p99 latency of a concurrent foreground load of single-row reads and writes
 on live rows (and of the same load on the idle database first). Prints ratios to method (a), the
 unbounded DELETE, and writes JSON. ``--memory-sizes`` also measures the planner's peak Python memory
-(tracemalloc) on tables of those sizes.
+(tracemalloc) on tables of those sizes. ``--compare`` reads the JSON of a run at another size and
+prints each method's time as a line in the eligible rows: slope, time at 0 rows, projection.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ from airflow_retention.core.planner import compute_plan, plan_run  # noqa: E402
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 
-DB = "retention_bench"
+# A database of its own, recreated; RETENTION_BENCH_DB lets two benchmarks run side by side.
+DB = os.environ.get("RETENTION_BENCH_DB", "retention_bench")
 CUTOFF = datetime(2026, 1, 1, tzinfo=timezone.utc)
 RUN_DATE = CUTOFF + timedelta(days=1)  # the DAG run whose cutoff is CUTOFF (retention 1 day)
 LIMIT_LOOP_BATCH = 5000
@@ -60,6 +63,14 @@ SELECT g::bigint AS id,
        CASE WHEN g %% 17 = 0 THEN 'open' ELSE 'closed' END AS status,
        repeat(md5(g::text), 6) AS payload
 FROM generate_series(1, %(rows)s) g;
+"""
+# --clustered: the same rows stored tenant by tenant (as after CLUSTER on (tenant_id, id)), the case
+# where per-tenant key chunks touch each block once too.
+CLUSTERED = ", stored tenant by tenant"
+CLUSTER_SQL = """
+CREATE TABLE bench.sorted AS SELECT * FROM bench.template ORDER BY tenant_id, id;
+DROP TABLE bench.template;
+ALTER TABLE bench.sorted RENAME TO template;
 """
 COPY_SQL = (
     "DROP TABLE IF EXISTS bench.events",
@@ -82,7 +93,7 @@ from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.dag_factory import build_dag
 
 for data in json.loads(os.environ["BENCH_POLICIES"]):
-    dag = build_dag(RetentionPolicy.from_dict(data), sensor_kwargs={"poke_interval": 1})
+    dag = build_dag(RetentionPolicy.from_dict(data))  # default settings: verify decides at its first look
     globals()[dag.dag_id] = dag
 """
 
@@ -404,7 +415,7 @@ class Scheduler:
     One DAG per policy given (``retention_<name>``)."""
 
     def __init__(self, server: str, dsn: str, policies: list[RetentionPolicy]) -> None:
-        from airflow_retention.demo.deployment import Deployment
+        from tests.deployment.harness import Deployment
 
         self.dags = Path(tempfile.mkdtemp(prefix="retention-bench-dags-"))
         (self.dags / "bench_dag.py").write_text(BENCH_DAG)
@@ -427,6 +438,12 @@ class Scheduler:
         for dag_id in self.dag_ids:
             self.deployment.wait_for_dag(dag_id, timeout=180)
             self.deployment.unpause(dag_id)
+        # One untimed run first, on the table as the last method left it (purged by (a)): the first
+        # task processes after Airflow starts pay a cold start of seconds (3.9 and 6.6 s measured for the
+        # plan task) that a deployment running every day does not.
+        started = time.perf_counter()
+        self.purge(self.dag_ids[0])
+        print(f"warm-up run (untimed) took {time.perf_counter() - started:.1f} s", flush=True)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -446,6 +463,7 @@ class Scheduler:
         if run["state"] != "success":
             raise AssertionError(f"bench DAG run {run_id} failed; logs in {d.home}")
         tis = d.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 1000})
+        fixed = fixed_cost(run, tis["task_instances"], deleting_seconds(d.target_dsn))
         plan = next(t for t in tis["task_instances"] if t["task_id"].endswith(".plan"))
         xcom = d.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{plan['task_id']}/xcomEntries/run")
         value = xcom["value"]
@@ -460,12 +478,158 @@ class Scheduler:
             "planner_s": round(planner, 3),
             "planner_share": round(planner / seconds, 4),
             "task_instances": len(tis["task_instances"]),
+            "fixed_cost": fixed,
             **totals,
         }
 
 
 def _instant(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def deleting_seconds(dsn: str) -> float:
+    """Wall seconds during which at least one chunk of the (single) bench run was at work, by the
+    ledger (each chunk from its first start to its completion): the union of those intervals."""
+    conn = psycopg2.connect(dsn)
+    with conn.cursor() as cur:
+        cur.execute(
+            "SELECT first_started_at, completed_at FROM bench_ledger.chunks"
+            " WHERE first_started_at IS NOT NULL AND completed_at IS NOT NULL ORDER BY first_started_at"
+        )
+        spans = cur.fetchall()
+    conn.close()
+    busy, end = 0.0, None
+    for start, stop in spans:
+        if end is None or start > end:
+            busy += (stop - start).total_seconds()
+            end = stop
+        elif stop > end:
+            busy += (stop - end).total_seconds()
+            end = stop
+    return busy
+
+
+# The fixed cost of a run, step by step, in the order the steps happen.
+FIXED_COST_STEPS = (
+    ("trigger_to_plan_start", "trigger → plan start"),
+    ("plan", "plan task"),
+    ("plan_end_to_first_chunk", "plan end → first chunk start"),
+    ("chunks_span", "first chunk start → last chunk end"),
+    ("last_chunk_to_verify_start", "last chunk end → verify start"),
+    ("verify", "verify task"),
+    ("verify_end_to_run_end", "verify end → run end"),
+)
+
+
+def fixed_cost(run: dict[str, Any], tis: list[dict[str, Any]], deleting: float) -> dict[str, float]:
+    """Where a scheduled run's time goes, from its task instances' start and end dates: the steps of
+    FIXED_COST_STEPS, the whole (trigger to run end), the chunks' deleting time (``deleting``, from the
+    ledger) and the fixed cost, the whole minus the deleting time."""
+
+    def at(ti: dict[str, Any], field: str) -> datetime:
+        return _instant(ti[field])
+
+    def ended(suffix: str) -> list[dict[str, Any]]:
+        return [t for t in tis if t["task_id"].endswith(suffix) and t["start_date"] and t["end_date"]]
+
+    (plan,) = ended(".plan")
+    (verify,) = ended(".verify")
+    chunks = ended(".purge_chunk")
+    triggered, finished = _instant(run["queued_at"] or run["start_date"]), _instant(run["end_date"])
+    first = min((at(t, "start_date") for t in chunks), default=at(plan, "end_date"))
+    last = max((at(t, "end_date") for t in chunks), default=at(plan, "end_date"))
+    steps = {
+        "trigger_to_plan_start": at(plan, "start_date") - triggered,
+        "plan": at(plan, "end_date") - at(plan, "start_date"),
+        "plan_end_to_first_chunk": first - at(plan, "end_date"),
+        "chunks_span": last - first,
+        "last_chunk_to_verify_start": at(verify, "start_date") - last,
+        "verify": at(verify, "end_date") - at(verify, "start_date"),
+        "verify_end_to_run_end": finished - at(verify, "end_date"),
+    }
+    out = {name: round(delta.total_seconds(), 2) for name, delta in steps.items()}
+    whole = (finished - triggered).total_seconds()
+    out.update(
+        whole=round(whole, 2),
+        deleting=round(deleting, 2),
+        fixed=round(whole - deleting, 2),
+        chunk_tasks=len(chunks),
+    )
+    return out
+
+
+def print_fixed_costs(results: list[Result]) -> None:
+    """The fixed cost of each scheduled run (method e), step by step, side by side."""
+    runs = [r for r in results if "fixed_cost" in r.notes]
+    if not runs:
+        return
+    print()
+    print("fixed cost of a scheduled run (s): the whole DAG run (trigger to end) minus its chunks' deleting time")
+    names = [r.method.split("at once, ", 1)[-1] for r in runs]
+    print(f"{'step':<36}" + "".join(f" {n:>22}" for n in names))
+    rows = [*FIXED_COST_STEPS, ("whole", "whole run (trigger → end)"), ("deleting", "chunks deleting (ledger)")]
+    for key, label in [*rows, ("fixed", "fixed cost (whole − deleting)"), ("chunk_tasks", "chunk tasks")]:
+        values = [r.notes["fixed_cost"][key] for r in runs]
+        print(f"{label:<36}" + "".join(f" {v:>22,.2f}" if key != "chunk_tasks" else f" {v:>22}" for v in values))
+
+
+def slopes(rows: int, results: list[Result], other: dict[str, Any], project_rows: int) -> list[dict[str, Any]]:
+    """Each method's time as a straight line in the eligible rows, through this run and ``other`` (the
+    JSON of a run at another size, ``--compare``): the per-row slope, the intercept (what a run costs
+    whatever its size: for the DAG, its fixed cost) and the time projected to ``project_rows`` table
+    rows of the same shape, each beside method (a)'s."""
+    before = {r["method"]: r for r in other["results"]}
+    lines = []
+    for r in results:
+        o = before.get(r.method)
+        if o is None or o["rows"] == r.rows:
+            continue
+        (small, large) = sorted([(o["rows"], o["seconds"], other["rows"]), (r.rows, r.seconds, rows)])
+        slope = (large[1] - small[1]) / (large[0] - small[0])  # seconds per eligible row
+        eligible = large[0] * project_rows / large[2]
+        lines.append(
+            {
+                "method": r.method,
+                "rows": (small[2], large[2]),
+                "seconds": (round(small[1], 2), round(large[1], 2)),
+                "slope_s_per_m_rows": round(slope * 1e6, 3),
+                "intercept_s": round(large[1] - slope * large[0], 2),
+                "projected_rows": project_rows,
+                "projected_eligible": round(eligible),
+                "projected_s": round(large[1] + slope * (eligible - large[0]), 1),
+            }
+        )
+    if lines and lines[0]["method"].startswith("a."):
+        ref = lines[0]
+        for line in lines:
+            line["slope_x_a"] = round(line["slope_s_per_m_rows"] / ref["slope_s_per_m_rows"], 2)
+            line["projected_x_a"] = round(line["projected_s"] / ref["projected_s"], 2)
+    return lines
+
+
+def print_slopes(lines: list[dict[str, Any]], source: Path) -> None:
+    """Seconds at both sizes, the slope per million eligible rows and the projection, times of (a)."""
+    if not lines:
+        return
+    small, large = lines[0]["rows"]
+    print()
+    print(
+        f"time as a line in the eligible rows, through {small:,} and {large:,} rows (the other run: {source});"
+        f" projected to {lines[0]['projected_rows']:,} rows ({lines[0]['projected_eligible']:,} eligible)"
+    )
+    print(
+        f"{'method':<62} {'s small':>8} {'s large':>8} {'x(a)':>6} {'s/M rows':>9} {'x(a)':>6}"
+        f" {'at 0 s':>8} {'projected s':>12} {'x(a)':>6}"
+    )
+    ref = lines[0] if lines[0]["method"].startswith("a.") else None
+    for line in lines:
+        time_x = line["seconds"][1] / ref["seconds"][1] if ref else float("nan")
+        slope_x, projected_x = line.get("slope_x_a", float("nan")), line.get("projected_x_a", float("nan"))
+        print(
+            f"{line['method']:<62} {line['seconds'][0]:>8.1f} {line['seconds'][1]:>8.1f} {time_x:>6.2f}"
+            f" {line['slope_s_per_m_rows']:>9.3f} {slope_x:>6.2f}"
+            f" {line['intercept_s']:>8.1f} {line['projected_s']:>12,.1f} {projected_x:>6.2f}"
+        )
 
 
 def planner_memory(dsn: str, sizes: list[int]) -> list[dict[str, Any]]:
@@ -502,12 +666,14 @@ def planner_memory(dsn: str, sizes: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def build_template(dsn: str, rows: int) -> None:
-    print(f"building bench.template with {rows:,} rows ...", flush=True)
+def build_template(dsn: str, rows: int, clustered: bool = False) -> None:
+    print(f"building bench.template with {rows:,} rows{CLUSTERED if clustered else ''} ...", flush=True)
     admin = psycopg2.connect(dsn)
     admin.autocommit = True
     with admin.cursor() as cur:
         cur.execute(TEMPLATE_SQL, {"rows": rows, "cutoff": CUTOFF})
+        if clustered:
+            cur.execute(CLUSTER_SQL)
     admin.close()
 
 
@@ -529,11 +695,11 @@ def median_of(repeat: int, dsn: str, name: str, purge: Purge) -> Result | None:
     return chosen
 
 
-def print_table(rows: int, idle: Result, results: list[Result]) -> None:
+def print_table(rows: int, idle: Result, results: list[Result], clustered: bool = False) -> None:
     ref = results[0]
     print()
     print(
-        f"{rows:,} rows, {ref.rows:,} eligible;"
+        f"{rows:,} rows{CLUSTERED if clustered else ''}, {ref.rows:,} eligible;"
         f" foreground idle p50 {idle.fg_p50_ms:.2f} ms, p99 {idle.fg_p99_ms:.2f} ms"
     )
     header = f"{'method':<46} {'s':>7} {'rows/s':>10} {'x(a)':>6} {'longest txn ms':>15} {'WAL MB':>8} {'x(a)':>6}"
@@ -559,11 +725,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--e-chunk-rows", type=int, default=1_000_000, help="(e) also runs with chunks this big (fewer tasks)"
     )
+    parser.add_argument("--clustered", action="store_true", help="rows stored tenant by tenant, not interleaved")
     parser.add_argument("--skip-tenants", action="store_true", help="leave out (c) with per-tenant chunks")
     parser.add_argument("--repeat", type=int, default=1, help="measure each method this many times; report the median")
     parser.add_argument("--memory-sizes", type=int, nargs="*", default=None, help="planner memory at these sizes")
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results.json")
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        help="the JSON of a run at another size: print each method's per-row slope and the projection",
+    )
+    parser.add_argument("--project-rows", type=int, default=100_000_000, help="project --compare's line to this")
     parser.add_argument("--dag-test-child", nargs=2, metavar=("HOME", "DSN"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dag_test_child:
@@ -577,7 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     dsn = make_dsn(server, dbname=DB)
     try:
         memory = planner_memory(dsn, sorted(set(memory_sizes))) if memory_sizes else []
-        build_template(dsn, rows)
+        build_template(dsn, rows, args.clustered)
         idle = measure(dsn, "idle (no purge)", lambda: (time.sleep(3), (0, {}))[1], purges=False)
         methods: list[tuple[str, Purge]] = [("a. unbounded DELETE", lambda: unbounded(dsn))]
         if "b" in args.methods:
@@ -588,7 +761,10 @@ def main(argv: list[str] | None = None) -> int:
             methods.append(("c. planner + engine, key ranges, 1 worker", lambda: engine(dsn, 1, "key")))
             if not args.skip_tenants:
                 methods.append(("c. planner + engine, per-tenant keys, 1 worker", lambda: engine(dsn, 1, tenants=True)))
-            methods.append(("c. one pass over all tenants, 1 worker", lambda: engine(dsn, 1, one_pass=True)))
+            for w in args.workers:
+                methods.append(
+                    (f"c. one pass over all tenants, {w} worker(s)", lambda w=w: engine(dsn, w, one_pass=True))
+                )
             methods.append(
                 ("c. one pass, 5 tenants keep 2 days, 1 worker", lambda: engine(dsn, 1, one_pass=True, overrides=True))
             )
@@ -606,7 +782,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting Airflow (scheduler, LocalExecutor, {workers} chunk task(s) at once) ...", flush=True)
             with Scheduler(server, dsn, [default, big]) as scheduler:
                 for policy in (default, big):
-                    name = f"e. scheduler + LocalExecutor, {workers} at once, chunk_rows {policy.chunk_rows:,}"
+                    sizing = f"chunk_rows {policy.chunk_rows:,}" if policy.chunk_rows else "chunks sized by time"
+                    name = f"e. scheduler + LocalExecutor, {workers} at once, {sizing}"
                     purge = lambda dag_id=f"retention_{policy.name}": scheduler.purge(dag_id)  # noqa: E731
                     results.append(median_of(args.repeat, dsn, name, purge))
     finally:
@@ -614,7 +791,10 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = [r for r in results if r is None]
     results = [r for r in results if r is not None]
-    print_table(rows, idle, results)
+    print_table(rows, idle, results, args.clustered)
+    print_fixed_costs(results)
+    lines = slopes(rows, results, json.loads(args.compare.read_text()), args.project_rows) if args.compare else []
+    print_slopes(lines, args.compare)
     for m in memory:
         print(
             f"planner memory: {m['rows']:>12,} rows, {m['chunks_by']:>6} chunks:"
@@ -623,7 +803,13 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
-            {"rows": rows, "idle": asdict(idle), "results": [asdict(r) for r in results], "planner_memory": memory},
+            {
+                "rows": rows,
+                "idle": asdict(idle),
+                "results": [asdict(r) for r in results],
+                "planner_memory": memory,
+                "slopes": lines,
+            },
             indent=2,
             default=str,
         )

@@ -1,4 +1,4 @@
-"""The subcommands: ``status``, ``plan``, ``verify`` and ``init-ledger``. Each returns its exit code."""
+"""The subcommands: ``status``, ``plan``, ``verify``, ``init`` and ``init-ledger``. Each returns its exit code."""
 
 from __future__ import annotations
 
@@ -118,9 +118,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         emit_json(plan_json(policy, preview, stored, args.date))
     else:
+        from rich.markup import escape
+
         from airflow_retention.cli.render import print_plan
 
-        print_plan(_console(args), preview, policy, stored, args.chunks)
+        console = _console(args)
+        print_plan(console, preview, policy, stored, args.chunks)
+        if preview.sizing is not None:
+            console.print(f"  chunk count: {escape(preview.sizing.reason)}", soft_wrap=True)
     return EXIT_OK
 
 
@@ -134,6 +139,7 @@ def plan_json(policy: Any, preview: Any, stored: dict[str, Any] | None, date: st
         "chunk_rows": preview.chunk_rows,
         "rows_planned": preview.rows_planned,
         "chunks_count": len(preview.chunks),
+        "sizing": preview.sizing.to_dict() if preview.sizing is not None else None,
         "tenant_groups": preview.tenant_groups,
         "null_timestamps": preview.null_timestamps,
         "stored_run": None
@@ -264,6 +270,7 @@ def verify_json(
                 "lo": c["lo"],
                 "hi": c["hi"],
                 "next_key": c["next_key"],
+                "tenant_pos": c["tenant_pos"],
                 "rows_deleted": c["rows_deleted"],
                 "rows_planned": c["rows_planned"],
                 "attempts": c["attempts"],
@@ -282,6 +289,35 @@ def verify_json(
             "lag_seconds": leftovers.lag_seconds,
         },
     }
+
+
+# -- init -----------------------------------------------------------------------------------------
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from airflow_retention.core.policy import load_policies as load_policy_file
+    from airflow_retention.scaffold import POLICIES_FILE, next_steps, write_scaffold
+
+    folder = Path(args.dags_folder).expanduser().absolute()
+    try:
+        written = write_scaffold(folder, force=args.force)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise CliError(f"init: {exc}") from None
+    policies = load_policy_file(folder / POLICIES_FILE)
+    steps = next_steps(folder, policies, datetime.now(timezone.utc).date().isoformat())
+    if args.json:
+        from airflow_retention.cli.render import emit_json
+
+        emit_json({"written": [str(p) for p in written], "policies": [p.name for p in policies], "next_steps": steps})
+        return EXIT_OK
+    print(f"wrote {written[0]} (one DAG per policy of the YAML file beside it)")
+    print(f"wrote {written[1]} ({len(policies)} example policies: {', '.join(p.name for p in policies)})")
+    print("\nNext steps:")
+    for n, step in enumerate(steps, 1):
+        print(f"  {n}. " + step.replace("\n", "\n     "))
+    return EXIT_OK
 
 
 # -- init-ledger ----------------------------------------------------------------------------------

@@ -98,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--chunks", type=int, default=50, metavar="N", help="incomplete chunks listed (default 50)")
     verify.set_defaults(handler=commands.cmd_verify)
 
+    scaffold = sub.add_parser(
+        "init",
+        help="write the DAG file and an example policies file into a dags folder; print the next steps",
+        description="Write retention_dags.py (one DAG per policy) and retention_policies.yaml (commented"
+        " example policies) into DAGS_FOLDER, then print the next steps: connection, pool, a first dry run.",
+    )
+    scaffold.add_argument("dags_folder", metavar="DAGS_FOLDER", help="the Airflow dags folder (created if missing)")
+    scaffold.add_argument("--force", action="store_true", help="overwrite the two files if they exist")
+    scaffold.set_defaults(handler=commands.cmd_init)
+
     init = sub.add_parser(
         "init-ledger", parents=[common], help="create or migrate the ledger; print its version", epilog=EPILOG
     )

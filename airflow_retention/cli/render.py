@@ -15,6 +15,7 @@ from rich.table import Table
 
 from airflow_retention.cli.report import PolicyStatus, RunSummary
 from airflow_retention.cli.timefmt import human_seconds, short
+from airflow_retention.core.ledger import ChunkSpec
 
 # Piped output (files, CI logs, tests) gets wide tables instead of rich's 80 columns.
 PIPE_WIDTH = 160
@@ -112,7 +113,8 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
         f"  table {escape(str(policy.table))}, cutoff {short(preview.cutoff)} (rows with"
         f" {escape(policy.timestamp_column)} before it{' and the condition' if policy.condition else ''})"
     )
-    grown = f" (grown from {policy.chunk_rows:,} to fit max chunks)" if preview.chunk_rows != policy.chunk_rows else ""
+    explicit = policy.chunk_rows  # None: chunks sized by time (the "chunk count" line says how)
+    grown = f" (grown from {explicit:,} to fit max chunks)" if explicit and preview.chunk_rows != explicit else ""
     console.print(
         f"  {len(preview.chunks)} chunk(s), {preview.rows_planned:,} eligible row(s),"
         f" {preview.tenant_groups} tenant group(s), chunk_rows {preview.chunk_rows:,}{grown}"
@@ -134,17 +136,15 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
         return
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", show_footer=True)
     table.add_column("#", justify="right", footer="")
-    table.add_column("chunk key", footer="total")
-    table.add_column("tenants")
-    table.add_column("blocks [lo, hi)" if policy.chunk_by == "block" else "keys [lo, hi)", justify="right")
+    table.add_column("chunk", footer="total")
     table.add_column("rows planned", justify="right", footer=f"{preview.rows_planned:,}")
+    table.add_column("chunk key (ledger)")
     for chunk in preview.chunks[:max_rows]:
         table.add_row(
             str(chunk.seq),
-            escape(chunk.key),
-            escape(tenants_text(chunk.tenants)),
-            chunk.action or f"{chunk.lo:,} – {chunk.hi:,}",
+            escape(chunk.label()),
             f"{chunk.rows_planned or 0:,}",
+            escape(chunk.key),
         )
     console.print(table)
     if len(preview.chunks) > max_rows:
@@ -187,12 +187,14 @@ def print_tenants(
         )
 
 
-def tenants_text(tenants: Sequence[str] | None) -> str:
-    if tenants is None:
-        return "all"
-    if len(tenants) <= 3:
-        return ", ".join(tenants)
-    return f"{len(tenants)}: {tenants[0]} … {tenants[-1]}"
+def resume_position(chunk: dict[str, Any]) -> str:
+    """Where an incomplete chunk resumes: its next key (or block) and, in a key chunk that packs several
+    tenants (one at a time), which tenant it is at."""
+    tenants = chunk["tenants"]
+    if tenants and len(tenants) > 1:
+        pos = chunk["tenant_pos"] or 0
+        return f"tenant {escape(str(tenants[pos]))} ({pos + 1} of {len(tenants)}) · {chunk['next_key']:,}"
+    return f"{chunk['next_key']:,}"
 
 
 def print_verification(
@@ -203,19 +205,21 @@ def print_verification(
     incomplete = [c for c in chunks if c["state"] != "complete"]
     if incomplete:
         table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
-        for name in ("chunk key", "state", "next key of [lo, hi)", "rows deleted", "rows planned", "attempts"):
-            table.add_column(name, justify="left" if name in ("chunk key", "state") else "right", no_wrap=True)
+        for name in ("chunk", "state", "next key", "rows deleted", "rows planned", "attempts"):
+            table.add_column(name, justify="left" if name in ("chunk", "state") else "right", no_wrap=True)
         table.add_column("last batch", no_wrap=True)
+        table.add_column("chunk key (ledger)", no_wrap=True)
         table.add_column("last error")
         for c in incomplete[:max_rows]:
             table.add_row(
-                escape(c["chunk_key"]),
+                escape(ChunkSpec.of_row(c).label()),
                 c["state"],
-                f"{c['next_key']:,} of [{c['lo']:,}, {c['hi']:,})",
+                resume_position(c),
                 f"{c['rows_deleted']:,}",
                 f"{c['rows_planned'] or 0:,}",
                 str(c["attempts"]),
                 short(c["last_batch_at"]),
+                escape(c["chunk_key"]),
                 escape(c["last_error"] or ""),
             )
         console.print(table)

@@ -316,13 +316,20 @@ def missed_warnings(policy: Any, missed: list[MissedRunInfo], shown: int = 5) ->
     dates = ", ".join(f"{m.anchor:%Y-%m-%d}" for m in missed[-shown:]) + (
         f" (the {shown} latest)" if len(missed) > shown else ""
     )
-    first, last = missed[0].anchor, missed[-1].anchor
     message = (
         f"{len(missed)} scheduled run(s) without a complete run in the ledger ({len(never)} never planned): "
-        f"{dates}; backfill: airflow backfill create --dag-id {DAG_ID_PREFIX}{policy.name}"
-        f" --from-date {first:%Y-%m-%dT%H:%M:%SZ} --to-date {last:%Y-%m-%dT%H:%M:%SZ}"
+        f"{dates}; backfill: {backfill_command(policy, missed)}"
     )
     return [Alert("missed_run", message)]
+
+
+def backfill_command(policy: Any, missed: list[MissedRunInfo]) -> str:
+    """The ``airflow backfill create`` command that runs every missed date (first to last) of the policy."""
+    first, last = missed[0].anchor, missed[-1].anchor
+    return (
+        f"airflow backfill create --dag-id {DAG_ID_PREFIX}{policy.name}"
+        f" --from-date {first:%Y-%m-%dT%H:%M:%SZ} --to-date {last:%Y-%m-%dT%H:%M:%SZ}"
+    )
 
 
 def run_warnings(runs: list[RunSummary], now: datetime) -> list[Alert]:

@@ -42,14 +42,19 @@ def prepare(conn: Any) -> None:
 
 
 @contextmanager
-def transaction(conn: Any) -> Iterator[Any]:
+def transaction(conn: Any, *, repeatable_read: bool = False) -> Iterator[Any]:
     """One top-level transaction: commit on success, roll back on any error, and translate errors.
 
     Deliberately not psycopg 3's ``conn.transaction()``, which is only a savepoint on a connection
     that is not in autocommit mode.
+
+    :param repeatable_read: every statement of the transaction sees one snapshot; a row that someone
+        else changed since fails a write with a serialization error (SQLSTATE 40001).
     """
     cur = cursor(conn)
     try:
+        if repeatable_read:
+            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
         yield cur
         conn.commit()
     except BaseException as exc:

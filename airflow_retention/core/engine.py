@@ -22,7 +22,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -31,23 +32,28 @@ from airflow_retention.core import dbapi, tenants
 from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.detach import gone_reason, partition_state, run_partition_chunk
-from airflow_retention.core.errors import PermanentError, RetentionError
+from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
 from airflow_retention.core.identifiers import TableName
-from airflow_retention.core.isolation import TenantFailure, run_isolated
+from airflow_retention.core.isolation import TenantFailure, run_for_tenant, run_isolated
 from airflow_retention.core.ledger import Attempt, ChunkSpec, DeadLetter, Ledger, RunRecord
-from airflow_retention.core.pacing import BatchSizer, Throttler
+from airflow_retention.core.pacing import Pacer, Throttler
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
     BLOCK_COUNT,
+    TenantBatch,
     batch_counts_tenants,
     batch_statement,
     batch_statement_returns_counts,
     batch_walk_statement,
     lock_statement,
+    tenant_batch,
     tenants_in_batch_statement,
 )
 
 log = logging.getLogger(__name__)
+# One-pass batches taken again after a concurrent change before the chunk gives up (the task's retry
+# then resumes it): a row that keeps changing under the purge is a live row, not an expired one.
+_MAX_CONFLICTS = 20
 
 
 @dataclass
@@ -78,6 +84,8 @@ class ChunkResult:
     seconds: float = 0.0
     backoffs: int = 0
     backoff_seconds: float = 0.0
+    batches_cut: int = 0
+    duty_seconds: float = 0.0
     last_batch_size: int | None = None
     resumed_from: int | None = None
     outcome: str | None = None
@@ -93,6 +101,7 @@ class ChunkResult:
             data["top_tenants"] = sorted(self.tenant_rows.items(), key=lambda kv: (-kv[1], kv[0]))[:5]
         data["seconds"] = round(self.seconds, 3)
         data["backoff_seconds"] = round(self.backoff_seconds, 3)
+        data["duty_seconds"] = round(self.duty_seconds, 3)
         data["longest_batch_ms"] = round(max((b.ms for b in self.batch_log), default=0.0), 1)
         return data
 
@@ -151,16 +160,26 @@ def run_chunk(
     by_block = policy.chunk_by == "block"
     leaf = TableName.parse(chunk.partition) if chunk.partition is not None else None
     walk = None if by_block else batch_walk_statement(policy, target, tenant_filter=chunk.tenants is not None)
-    statement = batch_statement(policy, target, tenant_filter=chunk.tenants is not None, relation=leaf)
+    one_pass = batch_counts_tenants(policy)
+    tenant_filter = chunk.tenants is not None
+    statement = "" if one_pass else batch_statement(policy, target, tenant_filter=tenant_filter, relation=leaf)
+    passes = tenant_batch(policy, target, leaf) if one_pass else None
+    snapshot = passes is not None and passes.needs_snapshot
+    conflicts = 0
     result = ChunkResult(run_key=key, chunk_key=chunk.key)
     started = time.perf_counter()
     # A new chunk starts where the run's latest batches settled, not from scratch.
-    sizer = BatchSizer.for_policy(policy, ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None)
+    pacer = Pacer.for_policy(
+        policy,
+        ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None,
+        label=f"chunk {chunk.key}",
+        sleep=sleep,
+    )
     throttler = Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep)
     cutoffs = tenants.frozen(conn, ledger, policy, key, cutoff)
     params: dict[str, Any] = {**cutoffs.params(), "hi": chunk.hi, "only": None, "skip": []}
-    one_pass = batch_counts_tenants(policy)
     tenants_statement = tenants_in_batch_statement(policy, target, leaf) if one_pass else ""
+    returns_counts = batch_statement_returns_counts(policy)
     rows_per_block, end = 1.0, chunk.hi
     if by_block:
         try:
@@ -175,12 +194,14 @@ def run_chunk(
     try:
         while True:
             throttler.wait_until_calm(conn)
-            size = sizer.size
+            size = pacer.next_size(conn)
             batch_started = time.perf_counter()
+            locked = False
             try:
-                with dbapi.transaction(conn) as cur:
-                    dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
+                with dbapi.transaction(conn, repeatable_read=snapshot) as cur:
+                    dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, pacer.statement_timeout(size))
                     row = ledger.lock_chunk(cur, key, chunk.key)
+                    locked = True
                     if row is None:
                         raise PermanentError(f"chunk {chunk.key} of run {key} has no ledger row")
                     state, next_key, _, _, _, earlier_deleted, pos = row[:7]
@@ -216,7 +237,8 @@ def run_chunk(
                         batch.update(lo_tid=f"({next_key},0)", hi_tid=f"({upper},0)")
                         if one_pass:
                             batch["skip"] = [d["tenant"] for d in ledger.open_dead_letters(cur, key, chunk.key)]
-                            per_tenant, failures = run_isolated(cur, statement, batch, tenants_statement)
+                            assert passes is not None
+                            per_tenant, failures = run_isolated(cur, passes, batch, tenants_statement)
                         else:
                             cur.execute(statement, batch)
                         full = upper < end
@@ -225,12 +247,21 @@ def run_chunk(
                         cur.execute(walk, batch)
                         extent = cur.fetchone()
                         last_key = int(extent[0]) if extent is not None else chunk.hi - 1
-                        cur.execute(statement, {**batch, "upper": last_key})
                         full = extent is not None and last_key + 1 < chunk.hi
-                    if one_pass:
+                        if tenant is not None:
+                            counts, failure = run_for_tenant(
+                                cur, statement, {**batch, "upper": last_key}, tenant, returns_counts=returns_counts
+                            )
+                            per_tenant = [(tenant, *counts)] if any(counts) else []
+                            if failure is not None:
+                                failures.append(failure)
+                                full = False  # the tenant is left: the chunk goes on with its next one
+                        else:
+                            cur.execute(statement, {**batch, "upper": last_key})
+                    if one_pass or tenant is not None:
                         deleted, archived, matched = _count_tenants(cur, ledger, key, chunk, per_tenant, result)
                         _dead_letters(cur, ledger, policy, key, chunk, cutoffs, failures)
-                    elif batch_statement_returns_counts(policy):
+                    elif returns_counts:
                         deleted, archived, matched = cur.fetchone()
                     else:
                         deleted, archived, matched = cur.rowcount, 0, 0
@@ -260,6 +291,25 @@ def run_chunk(
                         attempt=attempt,
                         first_batch_of_attempt=result.batches == 0,
                     )
+            except RetryableError as exc:
+                # The statement cap cancelled a batch running long: nothing of it applied; the loop
+                # takes its range again, a quarter as big.
+                if pacer.cut_short(exc, size, (time.perf_counter() - batch_started) * 1000):
+                    result.batches_cut += 1
+                    continue
+                # A one-pass batch counts and deletes under one snapshot: a row changed by someone else
+                # in between fails it as a whole, and it is taken again on a fresh snapshot. Failing on
+                # the chunk's own ledger row means another attempt of the chunk committed a batch while
+                # this one waited for it: not a conflict over rows, this attempt queues behind it.
+                if not (snapshot and dbapi.sqlstate(exc.__cause__) == "40001"):
+                    raise
+                if locked:
+                    conflicts += 1
+                    if conflicts > _MAX_CONFLICTS:
+                        raise
+                    log.info("chunk %s: a batch met a concurrent change (%s); taking it again on a fresh snapshot",
+                             chunk.key, " ".join(str(exc).split())[:200])  # fmt: skip
+                continue
             except PermanentError:
                 # A leaf dropped between the batch's check and its lock: the next batch sees it gone.
                 if leaf is None or not _leaf_vanished(conn, policy, chunk, leaf):
@@ -277,8 +327,9 @@ def run_chunk(
                 backoffs=backoffs,
                 backoff_seconds=backoff_s,
             )
-            sizer.observe(report.ms, full=full)
+            pacer.observe(report.ms, full=full, size=size)
             result.batches += 1
+            conflicts = 0  # consecutive conflicts: a batch went through
             result.rows_deleted += deleted
             result.rows_archived += archived
             result.rows_matched += matched
@@ -287,13 +338,13 @@ def run_chunk(
             result.last_batch_size = size
             result.batch_log.append(report)
             log.info(
-                "chunk %s batch %d: %s%s [%s, %s) %s %d of up to %d rows in %.0f ms%s",
+                "chunk %s batch %d: %s%s %s-%s %s %d of up to %d rows in %.0f ms%s",
                 chunk.key,
                 result.batches,
                 f"tenant {tenant} " if tenant is not None else "",
                 "blocks" if by_block else "ids",
                 report.lo,
-                report.hi,
+                report.hi - 1,  # inclusive, as every range is written for people (ChunkSpec.label)
                 "would delete" if policy.dry_run else "deleted",
                 matched if policy.dry_run else deleted,
                 size,
@@ -304,9 +355,11 @@ def run_chunk(
                 on_batch(report)
             if exhausted:
                 break
-        if one_pass:
-            redo = _Redo(conn, policy, key, chunk, cutoffs, ledger, statement, tenants_statement, params, result)
-            redo.settle(end, rows_per_block, sizer.size)
+            result.duty_seconds += pacer.rest(report.ms)
+        if one_pass or chunk.tenants is not None:
+            redo = _Redo(conn, policy, key, chunk, cutoffs, ledger, passes, statement, walk, tenants_statement, params,
+                         result)  # fmt: skip
+            redo.settle(end, rows_per_block, pacer.size)
     except RetentionError as exc:
         backoffs, backoff_s = throttler.take()
         ledger.record_error(
@@ -355,10 +408,11 @@ def _dead_letters(
 
 @dataclass
 class _Redo:
-    """A one-pass chunk's dead letters, after its range: a chunk that recorded some in this attempt
-    fails naming them (the other tenants are purged); a chunk found complete with open dead letters
-    (a retry, or a clear after the cause was fixed) deletes those tenants' eligible rows over its
-    blocks again, and resolves the dead letters of the tenants that now go through."""
+    """A chunk's dead letters (tenants whose rows failed), after its range: a chunk that recorded some
+    in this attempt fails naming them (its other tenants are purged); a chunk found complete with open
+    dead letters (a retry, or a clear after the cause was fixed) deletes those tenants' eligible rows
+    again, over its blocks (one pass) or each tenant's key range (key chunks that pack tenants), and
+    resolves the dead letters of the tenants that now go through."""
 
     conn: Any
     policy: RetentionPolicy
@@ -366,7 +420,9 @@ class _Redo:
     chunk: ChunkSpec
     cutoffs: tenants.TenantCutoffs
     ledger: Ledger
+    passes: TenantBatch | None  # one pass; else a key chunk's statement and walk
     statement: str
+    walk: str | None
     tenants_statement: str
     params: dict[str, Any]
     result: ChunkResult
@@ -395,24 +451,59 @@ class _Redo:
         log.info("chunk %s: purging the rows of %d dead-lettered tenant(s) again: %s", self.chunk.key, len(failed),
                  ", ".join(failed[:10]))  # fmt: skip
         still: dict[str, TenantFailure] = {}  # a tenant that fails again is left out of the later batches
-        step = max(1, round(size / rows_per_block))
-        for lo in range(self.chunk.lo, max(self.chunk.lo, end), step):
-            going = [t for t in failed if t not in still]
-            if not going:
-                break
-            with dbapi.transaction(self.conn) as cur:
-                dbapi.set_local_timeouts(cur, self.policy.lock_timeout_ms, self.policy.statement_timeout_ms)
-                self.ledger.lock_chunk(cur, self.key, self.chunk.key)  # attempts of one chunk queue here
+        if self.passes is not None:
+            step = max(1, round(size / rows_per_block))
+            for lo in range(self.chunk.lo, max(self.chunk.lo, end), step):
+                going = [t for t in failed if t not in still]
+                if not going:
+                    break
                 batch = {**self.params, "lo_tid": f"({lo},0)", "hi_tid": f"({min(end, lo + step)},0)"}
-                per_tenant, failures = run_isolated(cur, self.statement, batch, self.tenants_statement, only=going)
-                deleted, _, _ = _count_tenants(cur, self.ledger, self.key, self.chunk, per_tenant, self.result)
-                self.ledger.add_redone_rows(cur, self.key, self.chunk.key, deleted)
-                self.result.rows_deleted += deleted
+                with self._batch() as cur:
+                    per_tenant, failures = run_isolated(cur, self.passes, batch, self.tenants_statement, only=going)
+                    self._count(cur, per_tenant)
                 still.update((f.tenant, f) for f in failures)
+        else:
+            for tenant in failed:
+                if (failure := self._tenant_again(tenant, size)) is not None:
+                    still[tenant] = failure
         with dbapi.transaction(self.conn) as cur:
             _dead_letters(cur, self.ledger, self.policy, self.key, self.chunk, self.cutoffs, list(still.values()))
             self.ledger.resolve_dead_letters(cur, self.key, self.chunk.key, [t for t in failed if t not in still])
             return self.ledger.open_dead_letters(cur, self.key, self.chunk.key)
+
+    def _tenant_again(self, tenant: str, size: int) -> TenantFailure | None:
+        """One tenant's key range of the chunk again, in batches; its failure if it fails again."""
+        assert self.walk is not None
+        returns_counts = batch_statement_returns_counts(self.policy)
+        lo = self.chunk.lo
+        while lo < self.chunk.hi:
+            with self._batch() as cur:
+                batch = {**self.params, "lo": lo, "limit": size, "tenant": tenant}
+                cur.execute(self.walk, batch)
+                extent = cur.fetchone()
+                last = int(extent[0]) if extent is not None else self.chunk.hi - 1
+                batch["upper"] = last
+                counts, failure = run_for_tenant(cur, self.statement, batch, tenant, returns_counts=returns_counts)
+                if failure is not None:
+                    return failure
+                self._count(cur, [(tenant, *counts)] if any(counts) else [])
+            if extent is None:
+                break
+            lo = last + 1
+        return None
+
+    @contextmanager
+    def _batch(self) -> Iterator[Any]:
+        snapshot = self.passes is not None and self.passes.needs_snapshot
+        with dbapi.transaction(self.conn, repeatable_read=snapshot) as cur:
+            dbapi.set_local_timeouts(cur, self.policy.lock_timeout_ms, self.policy.statement_timeout_ms)
+            self.ledger.lock_chunk(cur, self.key, self.chunk.key)  # attempts of one chunk queue here
+            yield cur
+
+    def _count(self, cur: Any, per_tenant: list[tuple[Any, ...]]) -> None:
+        deleted, _, _ = _count_tenants(cur, self.ledger, self.key, self.chunk, per_tenant, self.result)
+        self.ledger.add_redone_rows(cur, self.key, self.chunk.key, deleted)
+        self.result.rows_deleted += deleted
 
 
 def _leaf_vanished(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: TableName) -> bool:
@@ -515,7 +606,7 @@ def _ensure_chunk_row(
                     policy,
                     key,
                     cutoff,
-                    chunk_rows=policy.chunk_rows,
+                    chunk_rows=policy.chunk_rows or 0,
                     chunks_expected=0,
                     rows_planned=0,
                     planned_by=f"lone chunk {chunk.key} ({attempt.label()})",

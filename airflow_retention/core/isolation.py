@@ -1,5 +1,7 @@
 """Failures isolated per tenant: one tenant's rows that cannot be deleted do not strand the others.
 
+A batch of a key chunk that packs tenants deletes one tenant's rows, under a savepoint: when it fails
+for a reason a retry cannot fix, the tenant is recorded and the chunk goes on with its next tenant.
 A one-pass batch runs under a savepoint. When it fails for a reason a retry cannot fix (a foreign key
 that still references a row, a missing privilege, a constraint of the archive table), it is rolled back
 to the savepoint and run again one tenant at a time, each under a savepoint of its own: the tenants
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_retention.core import dbapi
-from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.errors import PermanentError, RetryableError
+from airflow_retention.core.sql import TenantBatch
 
 # What users hit, in words; the rest is named by its SQLSTATE class.
 _CLASSES = {
@@ -56,7 +59,7 @@ def is_permanent(exc: BaseException) -> bool:
 
 
 def run_isolated(
-    cur: Any, statement: str, params: dict[str, Any], tenants_statement: str, only: list[str] | None = None
+    cur: Any, passes: TenantBatch, params: dict[str, Any], tenants_statement: str, only: list[str] | None = None
 ) -> tuple[list[tuple[Any, ...]], list[TenantFailure]]:
     """Run a one-pass batch statement (of the ``only`` tenants, all when None); if it fails permanently,
     run it again per tenant. Returns the per-tenant rows of what went through, and the tenants that
@@ -65,8 +68,7 @@ def run_isolated(
     cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
     cur.execute("SAVEPOINT retention_batch")
     try:
-        cur.execute(statement, {**params, "only": only})
-        rows = list(cur.fetchall())
+        rows = _run(cur, passes, {**params, "only": only})
         cur.execute("RELEASE SAVEPOINT retention_batch")
         return rows, []
     except Exception as exc:
@@ -79,8 +81,7 @@ def run_isolated(
     for tenant in tenants:
         cur.execute("SAVEPOINT retention_tenant")
         try:
-            cur.execute(statement, {**params, "only": [tenant]})
-            rows.extend(cur.fetchall())
+            rows.extend(_run(cur, passes, {**params, "only": [tenant]}))
             cur.execute("RELEASE SAVEPOINT retention_tenant")
         except Exception as exc:
             if not is_permanent(exc):
@@ -88,3 +89,35 @@ def run_isolated(
             cur.execute("ROLLBACK TO SAVEPOINT retention_tenant")
             failures.append(TenantFailure(tenant, *describe(exc)))
     return rows, failures
+
+
+def _run(cur: Any, passes: TenantBatch, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    cur.execute(passes.count, params)
+    rows = list(cur.fetchall())
+    if passes.delete is not None:
+        cur.execute(passes.delete, params)
+        counted = sum(int(r[1]) for r in rows)
+        if cur.rowcount != counted:
+            # Cannot happen under the batch's one snapshot; if it does, nothing of the batch is kept.
+            raise RetryableError(f"one-pass batch deleted {cur.rowcount} rows where it counted {counted}")
+    return rows
+
+
+def run_for_tenant(
+    cur: Any, statement: str, params: dict[str, Any], tenant: str, *, returns_counts: bool
+) -> tuple[tuple[int, int, int], TenantFailure | None]:
+    """Run one tenant's batch of a key chunk (a plain ``DELETE``, or a statement returning deleted,
+    archived and matched) under a savepoint. Returns its counts, or zeros and the tenant's failure when
+    it failed permanently. Raises what is not a permanent failure."""
+    cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+    cur.execute("SAVEPOINT retention_tenant")
+    try:
+        cur.execute(statement, params)
+        counts = tuple(int(n) for n in cur.fetchone()) if returns_counts else (cur.rowcount, 0, 0)
+        cur.execute("RELEASE SAVEPOINT retention_tenant")
+        return (counts[0], counts[1], counts[2]), None
+    except Exception as exc:
+        if not is_permanent(exc):
+            raise
+        cur.execute("ROLLBACK TO SAVEPOINT retention_tenant")
+        return (0, 0, 0), TenantFailure(tenant, *describe(exc))

@@ -7,7 +7,7 @@ ledger is here. The columns are documented in ``docs/ledger.md``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -366,6 +366,28 @@ class Ledger:
         )
         return int(rows[0][0]) if rows else None
 
+    def measured_rate(self, conn: Any, policy: str, *, dry_run: bool, blocks: bool) -> MeasuredRate | None:
+        """How fast the policy's chunks went in its previous runs: rows and blocks over seconds of its
+        latest :data:`RATE_SAMPLE_CHUNKS` chunks completed in one attempt, of the same kind (block
+        ranges or key ranges) and mode (dry run or not), from the first batch to completion, less
+        throttle pauses. None without such chunks, or with under a second of them (too few to tell)."""
+        rows = dbapi.fetch_all(
+            conn,
+            "SELECT count(*), coalesce(sum(rows), 0), coalesce(sum(blocks), 0), coalesce(sum(seconds), 0)"
+            " FROM (SELECT c.rows_deleted + c.rows_matched AS rows, c.hi - c.lo AS blocks,"
+            "   greatest(extract(epoch FROM c.completed_at - c.first_started_at) - c.backoff_seconds, 0) AS seconds"
+            f" FROM {self.s}.chunks c JOIN {self.s}.runs r USING (run_key)"
+            " WHERE r.policy = %(p)s::text AND r.dry_run = %(d)s::boolean AND c.state = 'complete'"
+            " AND c.action IS NULL AND c.attempts = 1 AND c.first_started_at IS NOT NULL"
+            " AND c.completed_at IS NOT NULL AND (c.chunk_key LIKE %(prefix)s::text) = %(blocks)s::boolean"
+            " ORDER BY c.completed_at DESC LIMIT %(n)s::integer) recent",
+            {"p": policy, "d": dry_run, "prefix": BLOCK_CHUNK_PREFIX + "%", "blocks": blocks, "n": RATE_SAMPLE_CHUNKS},
+        )
+        chunks, n_rows, n_blocks, seconds = rows[0]
+        if not chunks or float(seconds) < MIN_RATE_SECONDS:
+            return None
+        return MeasuredRate(int(chunks), int(n_rows), int(n_blocks) if blocks else None, float(seconds))
+
     def record_cleanup_lag(
         self, conn: Any, run_key: str, *, oldest: datetime | None, left: int, lag_seconds: float
     ) -> None:
@@ -701,6 +723,28 @@ class DeadLetter:
 
 # Chunk keys of policies with ``chunk_by: block`` start with this: their lo/hi are block numbers.
 BLOCK_CHUNK_PREFIX = "blocks:"
+# The planner's measured rate: the latest chunks of a policy, and at least this much of their time.
+RATE_SAMPLE_CHUNKS = 64
+MIN_RATE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class MeasuredRate:
+    """Rows (deleted, or matched in a dry run) and blocks (block chunks only) a policy's recent chunks
+    went through, in ``seconds`` of their time."""
+
+    chunks: int
+    rows: int
+    blocks: int | None
+    seconds: float
+
+    @property
+    def rows_per_s(self) -> float | None:
+        return self.rows / self.seconds if self.rows else None
+
+    @property
+    def blocks_per_s(self) -> float | None:
+        return self.blocks / self.seconds if self.blocks else None
 
 
 @dataclass(frozen=True)
@@ -717,13 +761,30 @@ class ChunkSpec:
     partition_oid: int | None = None
     action: str | None = None
 
+    @classmethod
+    def of_row(cls, row: Mapping[str, Any]) -> ChunkSpec:
+        """The chunk a row of :meth:`Ledger.chunk_rows` describes (to label it as the UI does)."""
+        tenants = row["tenants"]
+        return cls(
+            key=row["chunk_key"],
+            lo=row["lo"],
+            hi=row["hi"],
+            tenants=tuple(tenants) if tenants is not None else None,
+            seq=row.get("seq"),
+            rows_planned=row.get("rows_planned"),
+            partition=row.get("partition"),
+            partition_oid=row.get("partition_oid"),
+            action=row.get("action"),
+        )
+
     def label(self) -> str:
-        """What the Airflow UI shows for the mapped task: "tenant 7 · ids 120000-130000",
-        "events_2026_05 · blocks 0-8191", "drop events_2026_04 · 4,321,000 rows"."""
+        """The one human notation of a chunk's range, with inclusive bounds, in the Airflow UI (the
+        mapped task's label), the logs, the CLI and the docs: "ids 1-25654", "tenant 7 · ids
+        120000-129999", "events_2026_05 · blocks 0-8191", "drop events_2026_04". The chunk key is the
+        ledger's identifier and is never reformatted."""
         leaf = TableName.parse(self.partition).name if self.partition else None
         if self.action is not None:
-            rows = f" · {self.rows_planned:,} rows" if self.rows_planned is not None else ""
-            return f"{self.action} {display_name(leaf or '?')}{rows}"
+            return f"{self.action} {display_name(leaf or '?')}"
         if self.key.startswith(BLOCK_CHUNK_PREFIX) or self.partition is not None:
             blocks = f"blocks {self.lo}-{self.hi - 1}"
             return f"{display_name(leaf)} · {blocks}" if leaf else blocks

@@ -21,7 +21,7 @@ from airflow_retention.core.catalog import TargetInfo, inspect_target
 from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refuse_future_cutoff, run_key
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import TableName
-from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, ChunkSpec, Ledger, MeasuredRate, RunRecord
 from airflow_retention.core.partitions import PartitionDecision
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
@@ -46,6 +46,100 @@ BLOCK_SAMPLE_ROWS = 30_000
 MIN_TID_RANGE_SERVER = 140000
 
 
+# Chunks sized by time: without a measured rate of the policy, rates well below the 0.7-1.1 M rows/s
+# and ~65,000 blocks/s one worker reached on a 2-core test machine (docs/performance.md), for slower
+# servers and chunks running side by side. Too low a rate only makes chunks shorter than aimed at.
+ASSUMED_ROWS_PER_S = {"block": 200_000, "key": 50_000}
+ASSUMED_BLOCKS_PER_S = 20_000
+# Work is shared among max_active_chunks only in chunks of at least this long: a chunk task costs
+# about 0.6 s of scheduling and process start.
+MIN_SHARED_CHUNK_S = 10.0
+
+
+@dataclass(frozen=True)
+class ChunkSizing:
+    """How many chunks the planner aimed at, from what estimate, and why (the plan's XCom and
+    ``airflow-retention plan`` show it).
+
+    :param chunks: the chunk count aimed at (the plan may differ a little: tenants packed, block
+        ranges cut by a sample).
+    :param chunk_rows: eligible rows per chunk that gives that count.
+    :param seconds: the estimated time of the whole run's chunks, one after the other.
+    :param measured_chunks: how many chunks of earlier runs the rates come from; 0: assumed rates.
+    :param reason: the estimate and the choice, in words.
+    """
+
+    chunks: int
+    chunk_rows: int
+    rows: int
+    blocks: int | None
+    seconds: float
+    rows_per_s: float
+    blocks_per_s: float | None
+    measured_chunks: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["seconds"] = round(self.seconds, 1)
+        data["rows_per_s"] = round(self.rows_per_s)
+        data["blocks_per_s"] = round(self.blocks_per_s) if self.blocks_per_s is not None else None
+        return data
+
+
+def size_chunks(
+    policy: RetentionPolicy, rows: int, blocks: int | None, rate: MeasuredRate | None, max_chunks: int
+) -> ChunkSizing:
+    """Pick the chunk count: about ``target_chunk_time`` per chunk at the measured rate (else an assumed
+    one), at least ``max_active_chunks`` when each would still take :data:`MIN_SHARED_CHUNK_S`, at
+    most ``max_chunks``; ``chunk_rows`` in the policy overrides it.
+
+    :param blocks: the blocks the chunks go through (block chunks), None for key chunks. The estimate
+        is the larger of rows over rows/s and blocks over blocks/s, both measured on the same chunks:
+        under a time linear in rows and blocks that bounds the time from above, however the share of
+        eligible rows per block changed since.
+    """
+    rps = (rate.rows_per_s if rate else None) or float(ASSUMED_ROWS_PER_S[policy.chunk_by or "block"])
+    bps = ((rate.blocks_per_s if rate else None) or float(ASSUMED_BLOCKS_PER_S)) if blocks is not None else None
+    seconds = max(rows / rps, blocks / bps if blocks and bps else 0.0)
+    basis = f"{rows:,} rows at {rps:,.0f} rows/s" + (f" and {blocks:,} blocks at {bps:,.0f} blocks/s" if bps else "")
+    source = f"measured over {rate.chunks} chunk(s) of earlier runs" if rate else "assumed: no earlier run to measure"
+    estimate = f"about {seconds:,.0f} s of work ({basis}; rates {source})"
+    measured = rate.chunks if rate else 0
+    if policy.chunk_rows is not None:
+        n = max(1, math.ceil(rows / policy.chunk_rows))
+        why = f"chunk_rows {policy.chunk_rows:,} set in the policy: {n} chunk(s) (target_chunk_time not used)"
+        return ChunkSizing(n, policy.chunk_rows, rows, blocks, seconds, rps, bps, measured, f"{estimate}; {why}")
+    target = policy.target_chunk_ms / 1000
+    by_time = math.ceil(seconds / target)
+    shared = min(policy.max_active_chunks, int(seconds // MIN_SHARED_CHUNK_S))
+    n = max(1, by_time, shared)
+    if n > max_chunks:
+        n = max_chunks
+        why = f"{n} chunks: the {by_time} of target_chunk_time {target:g} s exceed max_map_length {max_chunks}"
+    elif n == 1:
+        why = f"one chunk: the work fits in target_chunk_time {target:g} s"
+    elif shared > by_time:
+        why = (
+            f"{n} chunks of about {seconds / n:,.0f} s: enough work for max_active_chunks"
+            f" {policy.max_active_chunks} to share (at least {MIN_SHARED_CHUNK_S:g} s each)"
+        )
+    else:
+        why = f"{n} chunks of about {seconds / n:,.0f} s (target_chunk_time {target:g} s)"
+    # A chunk smaller than a batch would only add tasks.
+    chunk_rows = max(policy.batch_size, math.ceil(rows / n))
+    return ChunkSizing(n, chunk_rows, rows, blocks, seconds, rps, bps, measured, f"{estimate}; {why}")
+
+
+def measured_rate(conn: Any, policy: RetentionPolicy, *, blocks: bool) -> MeasuredRate | None:
+    """The policy's rate in its earlier runs, when its ledger is there and current."""
+    ledger = Ledger(policy.ledger_schema)
+    version = ledger.version(conn)
+    if version is None or version < 3:  # the columns read came with version 3
+        return None
+    return ledger.measured_rate(conn, policy.name, dry_run=policy.dry_run, blocks=blocks)
+
+
 @dataclass(frozen=True)
 class Group:
     """Eligible rows of one tenant (or of the whole table): count and key bounds."""
@@ -64,6 +158,7 @@ class Plan:
     rows_planned: int
     chunk_rows: int
     reused: bool
+    sizing: ChunkSizing | None = None  # None for a stored plan: the estimate was the first planner's
 
     def expand_kwargs(self) -> list[dict[str, Any]]:
         """One small dict per chunk, the keyword arguments of a mapped ``RetentionChunkOperator``."""
@@ -266,6 +361,7 @@ class Preview:
     null_timestamps: int
     partitions: list[PartitionDecision] = field(default_factory=list)
     tenant_cutoffs: TenantCutoffs | None = None
+    sizing: ChunkSizing | None = None
 
 
 def compute_plan(
@@ -325,14 +421,17 @@ def _compute(
             MAX_TENANTS_PER_CHUNK,
         )
         groups = [_merge(groups)]
-    size = choose_chunk_rows(groups, policy.chunk_rows, max_chunks)
-    if size != policy.chunk_rows:
+    sizing = size_chunks(
+        policy, sum(g.rows for g in groups), None, measured_rate(conn, policy, blocks=False), max_chunks
+    )
+    size = choose_chunk_rows(groups, sizing.chunk_rows, max_chunks)
+    if size != sizing.chunk_rows:
         log.warning(
             "policy %s: %d eligible rows at chunk_rows=%d would need more than %d chunks (Airflow's [core]"
             " max_map_length); chunks grow to %d rows each",
             policy.name,
             sum(g.rows for g in groups),
-            policy.chunk_rows,
+            sizing.chunk_rows,
             max_chunks,
             size,
         )
@@ -345,6 +444,7 @@ def _compute(
         chunk_rows=size,
         tenant_groups=len(groups),
         null_timestamps=null_timestamps,
+        sizing=sizing,
     )
 
 
@@ -361,7 +461,8 @@ def _plan_blocks(
     blocks = int(blocks)
     percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, policy.table, reltuples)
     estimate = round(sum(n for _, n in sampled) * scale)
-    size = max(policy.chunk_rows, math.ceil(estimate / max_chunks))
+    sizing = size_chunks(policy, estimate, blocks, measured_rate(conn, policy, blocks=True), max_chunks)
+    size = max(sizing.chunk_rows, math.ceil(estimate / max_chunks))
     chunks = [
         _block_spec(lo, hi, rows, seq)
         for seq, (lo, hi, rows) in enumerate(block_ranges(sampled, scale, blocks, size, max_ranges=max_chunks))
@@ -382,6 +483,7 @@ def _plan_blocks(
         chunk_rows=size,
         tenant_groups=0,
         null_timestamps=warn_null_timestamps(conn, policy),
+        sizing=sizing,
     )
 
 
@@ -417,12 +519,19 @@ def block_ranges(
     sampled: list[tuple[int, int]], scale: float, blocks: int, size: int, *, max_ranges: int | None = None
 ) -> list[tuple[int, int, int]]:
     """Consecutive block ranges (lo, hi, estimated eligible rows) of about ``size`` rows each by the
-    sample, together covering blocks 0 to ``blocks``: no eligible row falls between two ranges."""
+    sample, together covering blocks 0 to ``blocks``: no eligible row falls between two ranges.
+
+    The last range runs from its first block to ``blocks``: the blocks after the last sampled eligible
+    row join it rather than make a range of their own, which would be a chunk task (about half a second
+    of Airflow's overhead) for rows the sample did not see, often none at all."""
     ranges: list[tuple[int, int, int]] = []
     lo, acc = 0, 0.0
-    for block, count in sampled:
+    # The last sampled block inside the table as measured (a concurrent insert may have grown it since).
+    last = max((i for i, (block, _) in enumerate(sampled) if block < blocks), default=-1)
+    for i, (block, count) in enumerate(sampled):
         acc += count * scale
-        if acc >= size and block + 1 < blocks and (max_ranges is None or len(ranges) + 1 < max_ranges):
+        # No cut at or after the last sampled block: what follows it has no sampled row to be a chunk for.
+        if acc >= size and i < last and (max_ranges is None or len(ranges) + 1 < max_ranges):
             ranges.append((lo, block + 1, round(acc)))
             lo, acc = block + 1, 0.0
     if blocks > lo:
@@ -487,7 +596,12 @@ def _plan_partitioned(
                 action=policy.expired_partitions,
             )
         )
-    size, ranges = fit(leaves, policy.chunk_rows, budget) if leaves else (policy.chunk_rows, [])
+    sizing = None
+    if leaves:
+        blocks = sum(int(leaf.relation.blocks or 0) for leaf in leaves)
+        rows = sum(leaf.estimate for leaf in leaves)
+        sizing = size_chunks(policy, rows, blocks, measured_rate(conn, policy, blocks=True), max(budget, 1))
+    size, ranges = fit(leaves, sizing.chunk_rows, budget) if sizing else (policy.chunk_rows or 0, [])
     for leaf, leaf_ranges in zip(leaves, ranges, strict=True):
         for lo, hi, rows in leaf_ranges:
             chunks.append(
@@ -506,6 +620,7 @@ def _plan_partitioned(
         tenant_groups=0,
         null_timestamps=warn_null_timestamps(conn, policy),
         partitions=decisions,
+        sizing=sizing,
     )
 
 
@@ -560,13 +675,14 @@ def plan_run(
         assert stored is not None
         return _stored(conn, ledger, key, cutoff, stored)
     log.info(
-        "policy %s: run %s planned %d chunk(s) over %d tenant group(s), %d eligible rows, chunk_rows %d",
+        "policy %s: run %s planned %d chunk(s) over %d tenant group(s), %d eligible rows, chunk_rows %d%s",
         policy.name,
         key,
         len(chunks),
         preview.tenant_groups,
         rows,
         size,
+        f"; {preview.sizing.reason}" if preview.sizing else "",
     )
     pruned = ledger.prune(conn, policy.name, policy.ledger_keep_days)
     if pruned:
@@ -576,7 +692,15 @@ def plan_run(
             pruned,
             policy.ledger_keep_days,
         )
-    return Plan(run_key=key, cutoff=cutoff, chunks=chunks, rows_planned=rows, chunk_rows=size, reused=False)
+    return Plan(
+        run_key=key,
+        cutoff=cutoff,
+        chunks=chunks,
+        rows_planned=rows,
+        chunk_rows=size,
+        reused=False,
+        sizing=preview.sizing,
+    )
 
 
 def _stored(conn: Any, ledger: Ledger, key: str, cutoff: datetime, run: dict[str, Any]) -> Plan:

@@ -19,6 +19,10 @@ MAX_BATCH_SIZE = 1_000_000
 DEFAULT_MIN_BATCH_SIZE = 500
 DEFAULT_MAX_BATCH_SIZE = 500_000
 MAX_CHUNK_ROWS = 100_000_000
+# A chunk task costs about 0.6 s of scheduling and process start under LocalExecutor (docs/performance.md):
+# 45 s chunks keep that near 1 %, and still give a retry or a worker restart little to redo.
+DEFAULT_TARGET_CHUNK_MS = 45_000
+MIN_TARGET_CHUNK_MS = 1_000
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 DEFAULT_START_DATE = datetime(2025, 1, 1, tzinfo=timezone.utc)
 # The DAG of policy ``p`` built by the DAG factory is ``retention_<p>``.
@@ -172,7 +176,14 @@ class RetentionPolicy:
     :param min_batch_size: the smallest adapted batch (default 500, or ``batch_size`` if smaller).
     :param max_batch_size: the largest adapted batch (default 500,000, or ``batch_size`` if larger); the
         target time, not this cap, normally sets the size.
-    :param chunk_rows: eligible rows per chunk (one mapped task), at least ``batch_size``.
+    :param chunk_rows: eligible rows per chunk (one mapped task), at least ``batch_size``; an explicit
+        override of ``target_chunk_ms``. None (the default): chunks are sized by time.
+    :param target_chunk_ms: (YAML ``target_chunk_time``) with ``chunk_rows`` unset, the planner picks the
+        chunk count so that a chunk takes about this long (``"45s"``, at least 1 s), from the policy's
+        measured rate in its previous runs, else a conservative estimate.
+    :param max_duty_cycle: the share of wall time a chunk may spend inside batch transactions, above 0
+        and at most 1: after a batch of ``t`` seconds the engine pauses ``t * (1 / max_duty_cycle - 1)``.
+        1 (the default) never pauses; 0.5 takes twice as long and leaves the database idle half the time.
     :param lock_timeout_ms: (YAML ``lock_timeout``) ``lock_timeout`` set in every batch transaction
         (``"5s"``, ms as int).
     :param statement_timeout_ms: (YAML ``statement_timeout``) ``statement_timeout`` set in every batch transaction.
@@ -214,7 +225,9 @@ class RetentionPolicy:
     target_batch_ms: int = 200
     min_batch_size: int | None = None
     max_batch_size: int | None = None
-    chunk_rows: int = 250_000
+    chunk_rows: int | None = None
+    target_chunk_ms: int = DEFAULT_TARGET_CHUNK_MS
+    max_duty_cycle: float = 1.0
     lock_timeout_ms: int = 5_000
     statement_timeout_ms: int = 60_000
     dry_run: bool = False
@@ -283,7 +296,12 @@ class RetentionPolicy:
                 self.expired_partitions
                 + (f" into schema `{display_name(self.detached_schema)}`" if self.detached_schema else ""),
             ),
-            ("batch size / chunk rows", f"{self.batch_size:,} / {self.chunk_rows:,}"),
+            (
+                "batch size / chunk rows",
+                f"{self.batch_size:,} / "
+                + (f"{self.chunk_rows:,}" if self.chunk_rows else f"sized to about {self.target_chunk_ms / 1000:g} s"),
+            ),
+            ("duty cycle", f"at most {self.max_duty_cycle:.0%} of the time in batches"),
             (
                 "adaptive batches",
                 f"{self.min_batch_size:,}–{self.max_batch_size:,} rows, aiming at {self.target_batch_ms} ms"
@@ -317,6 +335,7 @@ _RENAMED = {
     "statement_timeout": "statement_timeout_ms",
     "retry_delay": "retry_delay_ms",
     "target_batch_time": "target_batch_ms",
+    "target_chunk_time": "target_chunk_ms",
 }
 _YAML_KEYS = ({f.name for f in dataclasses.fields(RetentionPolicy)} - set(_RENAMED.values())) | set(_RENAMED)
 
@@ -395,9 +414,14 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
     if largest is None:
         largest = max(DEFAULT_MAX_BATCH_SIZE, out["batch_size"])
     out["max_batch_size"] = _int_in_range(fail, "max_batch_size", largest, out["batch_size"], MAX_BATCH_SIZE)
-    out["chunk_rows"] = _int_in_range(fail, "chunk_rows", policy.chunk_rows, 1, MAX_CHUNK_ROWS)
-    if out["chunk_rows"] < out["batch_size"]:
-        raise fail("chunk_rows", f"must be at least batch_size ({out['batch_size']}), got {out['chunk_rows']}")
+    if policy.chunk_rows is not None:
+        out["chunk_rows"] = _int_in_range(fail, "chunk_rows", policy.chunk_rows, 1, MAX_CHUNK_ROWS)
+        if out["chunk_rows"] < out["batch_size"]:
+            raise fail("chunk_rows", f"must be at least batch_size ({out['batch_size']}), got {out['chunk_rows']}")
+    out["target_chunk_ms"] = convert("target_chunk_time", parse_timeout_ms, policy.target_chunk_ms)
+    if out["target_chunk_ms"] < MIN_TARGET_CHUNK_MS:
+        raise fail("target_chunk_time", f"must be at least 1s, got {policy.target_chunk_ms!r}")
+    out["max_duty_cycle"] = _duty_cycle(fail, policy.max_duty_cycle)
     out["lock_timeout_ms"] = convert("lock_timeout", parse_timeout_ms, policy.lock_timeout_ms)
     out["statement_timeout_ms"] = convert("statement_timeout", parse_timeout_ms, policy.statement_timeout_ms)
     if not isinstance(policy.dry_run, bool):
@@ -458,6 +482,14 @@ def _ms_or_off(value: object) -> int:
     if value in (0, "0", "off"):
         return 0
     return parse_timeout_ms(value)
+
+
+def _duty_cycle(fail: Any, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise fail("max_duty_cycle", f"must be a number above 0 and at most 1, got {value!r}")
+    if not 0 < value <= 1:
+        raise fail("max_duty_cycle", f"must be above 0 and at most 1 (a share of wall time), got {value!r}")
+    return float(value)
 
 
 def _int_in_range(fail: Any, field_name: str, value: object, lo: int, hi: int) -> int:

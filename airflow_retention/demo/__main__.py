@@ -1,30 +1,37 @@
 """The demo: seed the example tables, run every example retention DAG for consecutive nights, then a
 backfill of two missed days, and print what the ledger shows plus a check of the tables.
 
-    python -m airflow_retention.demo [--dsn DSN] [--home DIR]
+    python -m airflow_retention.demo [--dsn DSN] [--home DIR] [--dags DIR] [--database NAME]
 
 PostgreSQL: ``--dsn`` or ``$RETENTION_TEST_DSN``, else the local server, else a throwaway embedded one.
 The demo works in a database of its own (``retention_demo``, recreated) on that server. Airflow runs
-on its embedded defaults (SQLite metadata) in a throwaway home, through ``dag.test()``.
+on its embedded defaults (SQLite metadata) in a throwaway home, through ``dag.test()``. The DAG file and
+the example policies are the ones ``airflow-retention init`` writes, shipped with the package.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import os
+import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from airflow_retention.demo.postgres import resolve_dsn
 
 DEMO_DB = "retention_demo"
 ANCHOR = "2026-06-10"
 NIGHTLY = ["2026-06-01", "2026-06-02", "2026-06-03", "2026-06-06"]
 MISSED = ["2026-06-04", "2026-06-05"]
+EXIT_ERROR = 2
+
+
+class DemoInputError(Exception):
+    """An input the demo checks before it drops or creates anything: one line, exit 2."""
 
 
 @dataclass
@@ -42,33 +49,105 @@ class RunLine:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m airflow_retention.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dsn", help="PostgreSQL server to use (a database 'retention_demo' is created on it)")
+    parser.add_argument("--dsn", help=f"PostgreSQL server to use (a database {DEMO_DB!r} is created on it)")
     parser.add_argument("--home", type=Path, help="AIRFLOW_HOME to use (default: a new temporary directory)")
-    parser.add_argument("--dags", type=Path, default=Path(__file__).resolve().parents[2] / "dags")
+    parser.add_argument(
+        "--dags",
+        type=Path,
+        help="a dags folder holding retention_dags.py and retention_policies.yaml (default: the files"
+        " `airflow-retention init` writes, written into <home>/dags)",
+    )
+    parser.add_argument("--database", default=DEMO_DB, help=f"the database to drop and create (default {DEMO_DB})")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     started = time.perf_counter()
+    try:
+        setup = prepare(args)
+    except DemoInputError as exc:
+        print(f"demo: error: {exc}", file=sys.stderr)
+        print("demo: nothing was dropped or created", file=sys.stderr)
+        return EXIT_ERROR
+    return run(setup, started)
 
-    server = resolve_dsn(args.dsn)
-    dsn = recreate_database(server, DEMO_DB)
-    home = args.home or Path(tempfile.mkdtemp(prefix="retention-demo-"))
+
+@dataclass
+class Setup:
+    dsn: str
+    home: Path
+    dags: Path
+    log: Path
+    policies: list[Any]
+    bag: Any
+
+
+def prepare(args: argparse.Namespace) -> Setup:
+    """Every input checked, in order, before anything is dropped or created: the database name, the
+    server (it answers; the role may create databases), the policies file (exists, parses) and the DAGs
+    (they import). Then the demo's database is dropped and created."""
+    from airflow_retention.demo.postgres import resolve_dsn
+
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", args.database):
+        raise DemoInputError(f"--database {args.database!r}: lower-case letters, digits and _ only (at most 63)")
+    try:
+        server = resolve_dsn(args.dsn)
+    except RuntimeError as exc:
+        raise DemoInputError(str(exc)) from None
+    check_can_create_database(server)
+
+    from psycopg2.extensions import make_dsn
+
+    dsn = make_dsn(server, dbname=args.database)
+    home = (args.home or Path(tempfile.mkdtemp(prefix="retention-demo-"))).absolute()
+    home.mkdir(parents=True, exist_ok=True)
+    log = home / "demo-airflow.log"
+    dags = args.dags.absolute() if args.dags else write_dags(home / "dags")
+    example = dags / "retention_policies.yaml"
+    if not (dags / "retention_dags.py").is_file() or not example.is_file():
+        raise DemoInputError(f"--dags {dags}: needs retention_dags.py and retention_policies.yaml in it")
+
+    import yaml
+
+    from airflow_retention.core.errors import RetentionError
+    from airflow_retention.core.policy import load_policies
+
+    try:
+        policies = load_policies(demo_policies(example, home / "retention_policies.yaml"))
+    except (RetentionError, yaml.YAMLError) as exc:
+        raise DemoInputError(f"{example}: {exc}") from None
     say(f"PostgreSQL: {redact(dsn)}")
-    say(f"Airflow home: {home} (SQLite metadata), DAGs from {args.dags}")
+    say(f"Airflow home: {home} (SQLite metadata), DAGs from {dags}")
+    say(f"Airflow's own output (task logs, warnings): {log}")
 
-    from airflow_retention.demo.airflow_home import prepare_airflow_home
+    import subprocess
 
-    prepare_airflow_home(home, args.dags, dsn)  # before anything imports Airflow
-    policies_file = demo_policies(args.dags / "retention_policies.yaml", home / "retention_policies.yaml")
+    with airflow_output(log):
+        from airflow_retention.demo.airflow_home import prepare_airflow_home
 
+        try:
+            prepare_airflow_home(home, dags, dsn)  # before anything imports Airflow
+        except subprocess.CalledProcessError:
+            raise DemoInputError(f"airflow db migrate failed: its output is in {log}") from None
+        from airflow_retention.compat import dagbag
+
+        bag = dagbag(str(dags))
+    if bag.import_errors:
+        raise DemoInputError(f"DAG import errors: {bag.import_errors}")
+    missing = [p.name for p in policies if f"retention_{p.name}" not in bag.dags]
+    if missing:
+        raise DemoInputError(f"no DAG in {dags} for the policies {', '.join(missing)}")
+
+    recreate_database(server, args.database)
+    return Setup(dsn=dsn, home=home, dags=dags, log=log, policies=policies, bag=bag)
+
+
+def run(setup: Setup, started: float) -> int:
     import psycopg2
 
     from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, run_key
     from airflow_retention.core.ledger import Ledger
-    from airflow_retention.core.policy import load_policies
     from airflow_retention.demo.seed import seed_examples, snapshot, utc_day
 
-    policies = load_policies(policies_file)
-    conn = psycopg2.connect(dsn)
+    policies = setup.policies
+    conn = psycopg2.connect(setup.dsn)
     days = NIGHTLY + MISSED
     # Airflow 3's @daily runs (and backfills) of day D have logical date = data interval end = D midnight,
     # so their cutoff is D minus the retention. The report looks each run up by that key.
@@ -80,21 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{s.table} {s.total:,} rows ({s.eligible:,} eligible by the last cutoff)" for s in before.values())
     )
 
-    from airflow_retention.compat import dagbag
-
-    bag = dagbag(str(args.dags))
-    if bag.import_errors:
-        say(f"DAG import errors: {bag.import_errors}")
-        return 1
     lines: list[RunLine] = []
     for kind, batch in (("nightly", NIGHTLY), ("backfill", MISSED)):
         if kind == "backfill":
-            say(f"the scheduler was paused on {' and '.join(MISSED)}: backfilling the two missed days")
+            say_missed(conn, policies)
         for day in batch:
             for policy in policies:
-                dag = bag.dags[f"retention_{policy.name}"]
+                dag = setup.bag.dags[f"retention_{policy.name}"]
                 t0 = time.perf_counter()
-                dag_run = dag.test(logical_date=utc_day(day))
+                with airflow_output(setup.log):
+                    dag_run = dag.test(logical_date=utc_day(day))
                 seconds = time.perf_counter() - t0
                 run = Ledger(policy.ledger_schema).get_run(conn, run_key(policy, cutoffs[policy.name][day]))
                 lines.append(
@@ -117,19 +191,86 @@ def main(argv: list[str] | None = None) -> int:
     if failures:
         for failure in failures:
             say(f"CHECK FAILED: {failure}")
+        say(f"Airflow's task logs: {setup.log}")
         return 1
     say("all checks passed")
     return 0
 
 
+def say_missed(conn: Any, policies: list[Any]) -> None:
+    """What each policy's verify task of the last night warned about: the nights not complete in the ledger."""
+    from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.verify import missed_runs
+
+    missed = {
+        p.name: [m.anchor.date().isoformat() for m in missed_runs(conn, Ledger(p.ledger_schema), p, *nights())]
+        for p in policies
+    }
+    found = sorted({day for days in missed.values() for day in days})
+    say(
+        f"verify of {NIGHTLY[-1]} found {len(found)} night(s) not complete in the ledger"
+        f" ({', '.join(found) or 'none'}), for {sum(bool(d) for d in missed.values())} of {len(policies)} policies"
+    )
+    say(f"the scheduler was paused on {' and '.join(MISSED)}: backfilling the two missed days")
+
+
+def nights() -> tuple[Any, Any]:
+    from airflow_retention.demo.seed import utc_day
+
+    return utc_day(NIGHTLY[0]), utc_day(NIGHTLY[-1])
+
+
+def write_dags(folder: Path) -> Path:
+    """The DAG file and the example policies, as ``airflow-retention init`` writes them."""
+    from airflow_retention.scaffold import write_scaffold
+
+    write_scaffold(folder, force=True)
+    return folder
+
+
+def check_can_create_database(server_dsn: str) -> None:
+    import psycopg2
+
+    with psycopg2.connect(server_dsn) as conn, conn.cursor() as cur:
+        cur.execute("SELECT rolcreatedb OR rolsuper FROM pg_roles WHERE rolname = current_user")
+        row = cur.fetchone()
+    conn.close()
+    if not (row and row[0]):
+        raise DemoInputError(f"the role of {redact(server_dsn)} may not create databases (CREATEDB)")
+
+
+@contextmanager
+def airflow_output(log: Path) -> Iterator[None]:
+    """Send everything written to stdout and stderr, by this process and its children, to ``log``:
+    Airflow's task logs and third-party warnings, so that the terminal shows the report and the checks.
+    File descriptors, not ``sys.stdout``: Airflow's loggers and ``airflow db migrate`` hold their own."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with log.open("ab") as out:
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        os.close(saved[0])
+        os.close(saved[1])
+
+
 def demo_policies(example: Path, copy: Path) -> Path:
     """The example policies starting on the demo's first night, read by the DAG file through
     ``AIRFLOW_RETENTION_POLICIES``: the verify tasks then report exactly the two nights the demo skips."""
-    import os
-
     import yaml
 
     doc = yaml.safe_load(example.read_text())
+    if not isinstance(doc, dict):
+        raise yaml.YAMLError("not a mapping with 'policies' (and optionally 'defaults')")
     doc.setdefault("defaults", {})["start_date"] = NIGHTLY[0]
     copy.write_text(yaml.safe_dump(doc, sort_keys=False))
     os.environ["AIRFLOW_RETENTION_POLICIES"] = str(copy)
@@ -140,6 +281,7 @@ def checks(
     conn: Any, policies: list[Any], before: dict[str, Any], cutoffs: dict[str, Any], lines: list[RunLine]
 ) -> list[str]:
     from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.verify import missed_runs
     from airflow_retention.demo.seed import snapshot
 
     say("")
@@ -163,6 +305,8 @@ def checks(
         ]
         runs = [r for r in Ledger(policy.ledger_schema).recent_runs(conn, policy.name)]
         results.append((all(r["state"] == "complete" for r in runs), f"all {len(runs)} runs complete in the ledger"))
+        missed = missed_runs(conn, Ledger(policy.ledger_schema), policy, *nights())
+        results.append((not missed, f"no night from {NIGHTLY[0]} to {NIGHTLY[-1]} missing (found {len(missed)})"))
         if policy.archive_table is not None:
             archived = dbapi_count(conn, policy.archive_table.sql)
             results.append((archived == deleted, f"archive {policy.archive_table} holds the {archived:,} deleted rows"))

@@ -11,7 +11,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DSN_ENV = "RETENTION_TEST_DSN"
-LOCAL_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+# The maintenance database: every server has it. Callers work in databases of their own that they create.
+LOCAL_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 _embedded: Any = None
 
 
@@ -27,8 +28,8 @@ def can_connect(dsn: str, timeout: int = 3) -> bool:
 
 def resolve_dsn(explicit: str | None = None) -> str:
     """``explicit`` or ``$RETENTION_TEST_DSN`` when given (it must answer), else the local server at
-    127.0.0.1:5432 database ``test``, else a throwaway server started with the ``pgserver`` package
-    (stopped and removed at exit)."""
+    127.0.0.1:5432 (database ``postgres``, to create databases from), else a throwaway server started
+    with the ``pgserver`` package (stopped and removed at exit)."""
     given = explicit or os.environ.get(DSN_ENV)
     if given:
         if not can_connect(given):
@@ -61,7 +62,7 @@ def restart_server(dsn: str) -> None:
 
     from psycopg2.extensions import parse_dsn
 
-    if _embedded is not None and dsn == _embedded.get_uri():
+    if _embedded is not None and _server(dsn) == _server(_embedded.get_uri()):
         from pgserver import _commands
 
         _commands.pg_ctl(["-w", "restart"], pgdata=_embedded.pgdata, user=_embedded.system_user, timeout=60)
@@ -83,6 +84,14 @@ def restart_server(dsn: str) -> None:
                 )
                 return
     raise RuntimeError(f"cannot restart the PostgreSQL server of {dsn!r} from this process")
+
+
+def _server(dsn: str) -> tuple[str, str]:
+    """Host and port: the server, whichever of its databases the DSN names."""
+    from psycopg2.extensions import parse_dsn
+
+    parts = parse_dsn(dsn)
+    return parts.get("host", "localhost"), str(parts.get("port", "5432"))
 
 
 def start_embedded() -> str:

@@ -12,8 +12,9 @@ from airflow.sdk import BaseOperator
 
 from airflow_retention import metrics
 from airflow_retention.compat import AirflowFailException, conf
+from airflow_retention.core import dbapi
 from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
-from airflow_retention.core.engine import default_host
+from airflow_retention.core.engine import ChunkResult, default_host
 from airflow_retention.core.errors import PermanentError, PolicyError
 from airflow_retention.core.ledger import Attempt, ChunkSpec
 from airflow_retention.core.planner import chunk_key as make_chunk_key
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 RUN_XCOM_KEY = "run"
+# The label of a mapped chunk task in the UI. Airflow renders it before ``execute`` (3.2+: the label while
+# it runs) and again after it with the same context, on success and on failure (3.0.2+): a chunk that
+# ran puts its range and result under ``chunk_label``; one that failed keeps the range alone.
+CHUNK_LABEL_TEMPLATE = "{{ chunk_label if chunk_label is defined else task.chunk_label }}"
 
 
 def anchor_from_context(context: Context) -> datetime:
@@ -52,6 +57,25 @@ def attempt_from_context(context: Context) -> Attempt:
         try_number=getattr(ti, "try_number", None),
         host=default_host(getattr(ti, "hostname", None)),
     )
+
+
+def outcome_text(result: ChunkResult, *, dry_run: bool, chunk_rows_deleted: int | None = None) -> str:
+    """What a chunk did, in a few words for its label: "12,067 deleted". ``chunk_rows_deleted`` is the
+    ledger's total for a chunk that earlier tries had begun (this try's count is only the rest)."""
+    if result.already_complete:
+        return "already complete"
+    if dry_run:
+        return f"{result.rows_matched:,} would be deleted"
+    if result.outcome == "partition_gone":
+        return "partition gone, 0 deleted"
+    if result.outcome == "kept":
+        return "partition kept, 0 deleted"
+    if result.outcome == "detached":
+        return f"{result.rows_deleted:,} detached"
+    if chunk_rows_deleted is not None and chunk_rows_deleted != result.rows_deleted:
+        return f"{chunk_rows_deleted:,} deleted ({result.rows_deleted:,} on this try)"
+    archived = f", {result.rows_archived:,} archived" if result.rows_archived else ""
+    return f"{result.rows_deleted:,} deleted{archived}"
 
 
 def fail_fast(exc: Exception) -> AirflowFailException:
@@ -118,6 +142,8 @@ class RetentionPlanOperator(BaseOperator):
                 "chunk_keys": [c.key for c in plan.chunks],
                 "rows_planned": plan.rows_planned,
                 "planning_seconds": round(planning_seconds, 3),
+                # The estimate and why this chunk count (None when the stored plan was reused).
+                "sizing": plan.sizing.to_dict() if plan.sizing is not None else None,
             },
         )
         return plan.expand_kwargs()
@@ -166,7 +192,7 @@ class RetentionChunkOperator(BaseOperator):
         action: str | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("map_index_template", "{{ task.chunk_label }}")
+        kwargs.setdefault("map_index_template", CHUNK_LABEL_TEMPLATE)
         super().__init__(**kwargs)
         self.policy = policy
         self.lo = lo
@@ -203,21 +229,31 @@ class RetentionChunkOperator(BaseOperator):
 
     @property
     def chunk_label(self) -> str:
-        """Shown by the UI instead of the map index: "tenant 7 · ids 120000-129999"."""
+        """The chunk's range as the UI shows it instead of the map index: "tenant 7 · ids 120000-129999"."""
         try:
             return self._chunk().label()
         except AirflowFailException:
-            return f"ids {self.lo}-{self.hi}"
+            return f"invalid range lo={self.lo!r} hi={self.hi!r}"
+
+    def _rows_deleted_in_ledger(self, result: ChunkResult) -> int | None:
+        """The chunk's rows deleted over all its tries, for the label; None when the ledger cannot say."""
+        try:
+            with self.hook.open_connection() as conn, dbapi.transaction(conn) as cur:
+                row = self.hook.ledger.read_chunk(cur, result.run_key, result.chunk_key)
+        except Exception:  # the label then shows this try's rows; nothing else depends on it
+            self.log.warning("cannot read chunk %s from the ledger for its label", result.chunk_key, exc_info=True)
+            return None
+        return int(row[5]) if row is not None else None
 
     def execute(self, context: Context) -> dict[str, Any]:
         chunk = self._chunk()
         try:
             cutoff = parse_cutoff(self.cutoff) if self.cutoff else cutoff_from_context(self.policy, context)
             self.log.info(
-                "policy %s: chunk %s (%s), cutoff %s, first batch size %d%s",
+                "policy %s: chunk %s (ledger key %s), cutoff %s, first batch size %d%s",
                 self.policy.name,
-                chunk.key,
                 chunk.label(),
+                chunk.key,
                 format_cutoff(cutoff),
                 self.policy.batch_size,
                 f", {chunk.rows_planned} row(s) eligible at planning" if chunk.rows_planned is not None else "",
@@ -239,12 +275,17 @@ class RetentionChunkOperator(BaseOperator):
             if result.outcome in ("dropped", "detached"):
                 metrics.partition(self.policy, result.outcome, result.rows_deleted, result.seconds)
         summary = result.summary()
+        total = self._rows_deleted_in_ledger(result) if result.resumed_from is not None else None
+        # Read by CHUNK_LABEL_TEMPLATE when Airflow renders the label again after execute.
+        context["chunk_label"] = (
+            f"{chunk.label()} · {outcome_text(result, dry_run=self.policy.dry_run, chunk_rows_deleted=total)}"
+        )
         if result.already_complete:
-            self.log.info("chunk %s: already complete in the ledger; nothing deleted", chunk.key)
+            self.log.info("chunk %s: already complete in the ledger; nothing deleted", chunk.label())
         else:
             self.log.info(
                 "chunk %s: %s %d row(s) in %d batch(es), %.2f s, last batch size %s%s%s",
-                chunk.key,
+                chunk.label(),
                 "would delete" if self.policy.dry_run else "deleted",
                 result.rows_matched if self.policy.dry_run else result.rows_deleted,
                 result.batches,
@@ -258,7 +299,7 @@ class RetentionChunkOperator(BaseOperator):
             if summary.get("top_tenants"):
                 self.log.info(
                     "chunk %s: %d tenant(s); most rows: %s",
-                    chunk.key,
+                    chunk.label(),
                     summary["tenants"],
                     ", ".join(f"{t} {n:,}" for t, n in summary["top_tenants"]),
                 )

@@ -7,11 +7,13 @@ from datetime import timedelta
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseSensorOperator
+from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
 from airflow_retention import metrics
 from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
 from airflow_retention.core.cutoff import parse_cutoff
+from airflow_retention.core.inflight import chunks_still_writing
+from airflow_retention.core.ledger import ChunkSpec
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
 from airflow_retention.core.verify import MISSED_RUNS_WINDOW, missed_runs
 from airflow_retention.hooks.retention import RetentionHook
@@ -22,17 +24,24 @@ if TYPE_CHECKING:
     from airflow.sdk import Context
 
 MISSED_RUNS_SHOWN = 5
+# Incomplete chunks named by their range in the verify task's failure message.
+LABELS_SHOWN = 10
 # Task states after which a chunk task will not write to the ledger again (unless a person clears it).
 _FINISHED = {"success", "failed", "skipped", "upstream_failed", "removed"}
+# While deferred, come back to the worker this often to look at the chunk tasks' states.
+RECHECK_SECONDS = 60.0
 
 
 class RetentionCompleteSensor(BaseSensorOperator):
     """Compare the run's expected chunk set with the ledger; mark the run complete when they match.
 
-    Runs after the chunk tasks whatever their outcome (``trigger_rule="all_done"``) so it can report.
-    While some chunk task may still write to the ledger it waits (``reschedule`` mode, or deferred to
-    the triggerer with ``deferrable=True``); when none can (all finished, as after a failure or a chunk
-    marked "success" by hand) or on timeout, it fails naming the chunk keys that are not complete.
+    Runs after the chunk tasks whatever their outcome (``trigger_rule="all_done"``) so it can report,
+    including after a run with nothing eligible (whose mapped chunk task is skipped). It decides at its
+    first look: every chunk task has ended by then, so the run is complete, or it fails naming the
+    chunks that are not (as after a failed chunk, or one marked "success" by hand). It waits (in
+    ``reschedule`` mode, or deferred to the triggerer with ``deferrable=True``) only while a chunk may
+    still be written: a chunk task still in flight (when the sensor is wired to start earlier), or a
+    chunk whose ledger row shows a batch less than a minute old although its task has ended (a zombie).
 
     :param policy: the retention policy.
     :param plan_task_id: task id of the planner whose ``run`` XCom (``run_key``, ``cutoff``,
@@ -56,7 +65,8 @@ class RetentionCompleteSensor(BaseSensorOperator):
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("mode", "reschedule")
-        kwargs.setdefault("poke_interval", 30)
+        # Only a chunk that may still be written is waited for (see above), and it is near its end.
+        kwargs.setdefault("poke_interval", 5)
         kwargs.setdefault("timeout", 6 * 3600)
         kwargs.setdefault("trigger_rule", "all_done")
         super().__init__(**kwargs)
@@ -97,8 +107,12 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 raise AirflowSensorTimeout(
                     f"timed out after {self.timeout}s: {self.hook.verify(run_key, expected).describe()}"
                 ) from None
-        if self.poke(context):
-            return None
+        done = self.poke(context)
+        if done:
+            return done.xcom_value if isinstance(done, PokeReturnValue) else None
+        self._defer(context, float(self.timeout))
+
+    def _defer(self, context: Context, timeout: float) -> None:
         run_key, expected = self._run(context)
         self.defer(
             trigger=RetentionCompleteTrigger(
@@ -106,42 +120,92 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 run_key=run_key,
                 expected_keys=expected,
                 poll_interval=float(self.poke_interval),
-                timeout=float(self.timeout),
+                timeout=timeout,
+                # The triggerer reads only the ledger: come back now and then to look at the chunk tasks,
+                # so a chunk that failed in the meantime fails this task without waiting for the timeout.
+                recheck_after=RECHECK_SECONDS,
             ),
             method_name="execute_complete",
-            timeout=timedelta(seconds=float(self.timeout) + 60),
+            timeout=timedelta(seconds=timeout + 60),
         )
 
-    def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> Any:
+        done = self.poke(context)
+        if done:
+            return done.xcom_value if isinstance(done, PokeReturnValue) else None
+        if event.get("status") == "recheck":
+            self._defer(context, float(event.get("remaining", self.timeout)))
+            return None
         run_key, expected = self._run(context)
-        if event.get("status") == "complete" and self.poke(context):
-            return
         raise AirflowSensorTimeout(f"timed out after {self.timeout}s: {self.hook.verify(run_key, expected).describe()}")
 
-    def poke(self, context: Context) -> bool:
+    def poke(self, context: Context) -> PokeReturnValue | bool:
         run_key, expected = self._run(context)
         verification = self.hook.verify(run_key, expected)
         if verification.ok:
-            run = self.hook.complete_run(run_key, attempt_from_context(context).label())
-            duration = (run["completed_at"] - run["planned_at"]).total_seconds() if run["completed_at"] else 0.0
-            self.log.info(
-                "run %s complete: %d chunk(s), %d row(s) %s, %.1f s since planning",
-                run_key,
-                run["chunks_completed"],
-                run["rows_matched"] if self.policy.dry_run else run["rows_deleted"],
-                "would be deleted (dry run)" if self.policy.dry_run else "deleted",
-                duration,
-            )
-            self._report_leftovers(context, run_key)
-            self._report_missed_runs(context)
-            return True
+            return PokeReturnValue(is_done=True, xcom_value=self._complete(context, run_key, expected))
         self.log.info("%s", verification.describe())
-        if self.chunk_task_id and not self._chunks_in_flight(context):
-            raise AirflowFailException(
-                f"{verification.describe()}; no chunk task is still running, so nothing will complete them."
-                " Clear the failed chunk task(s) (with downstream) to retry them."
+        if not self.chunk_task_id or self._chunks_in_flight(context):
+            return False  # without chunk_task_id it cannot know that nothing will write: it waits
+        writing = self._chunks_still_writing(run_key, expected)
+        if writing:
+            self.log.warning(
+                "no chunk task is running, but chunk(s) %s committed a batch less than a minute ago: a process"
+                " whose task ended (a zombie) may still be writing; looking again in %s s",
+                ", ".join(c.label() for c in writing[:LABELS_SHOWN]),
+                self.poke_interval,
             )
-        return False
+            return False
+        raise AirflowFailException(
+            f"{verification.describe()}{self._incomplete_labels(run_key, expected)};"
+            " no chunk task is still running, so nothing will complete them."
+            " Clear the failed chunk task(s) (with downstream) to retry them."
+        )
+
+    def _complete(self, context: Context, run_key: str, expected: list[str]) -> dict[str, Any]:
+        """Mark the run complete, say what it did in one line, and return that (the task's XCom)."""
+        run = self.hook.complete_run(run_key, attempt_from_context(context).label())
+        cutoff = self._info(context).get("cutoff")
+        duration = (run["completed_at"] - run["planned_at"]).total_seconds() if run["completed_at"] else 0.0
+        rows = run["rows_matched"] if self.policy.dry_run else run["rows_deleted"]
+        if not expected:
+            outcome = f"nothing eligible at cutoff {cutoff}: 0 chunks"
+        else:
+            done = "would be deleted (dry run)" if self.policy.dry_run else "deleted"
+            outcome = f"{run['chunks_completed']} chunk(s) complete, {rows:,} row(s) {done} at cutoff {cutoff}"
+        self.log.info("run %s: %s; %.1f s since planning", run_key, outcome, duration)
+        self._report_leftovers(context, run_key)
+        self._report_missed_runs(context)
+        return {
+            "run_key": run_key,
+            "cutoff": cutoff,
+            "outcome": outcome,
+            "chunks": run["chunks_completed"],
+            "rows_deleted": run["rows_deleted"],
+            "rows_matched": run["rows_matched"],
+        }
+
+    def _chunks_still_writing(self, run_key: str, expected: list[str]) -> list[ChunkSpec]:
+        try:
+            with self.hook.open_connection() as conn:
+                return chunks_still_writing(conn, self.hook.ledger, run_key, expected)
+        except Exception:
+            self.log.warning("cannot read the ledger's chunk activity; not waiting for it", exc_info=True)
+            return []
+
+    def _incomplete_labels(self, run_key: str, expected: list[str]) -> str:
+        """The incomplete chunks by the label their task shows in the UI, to find them there."""
+        try:
+            with self.hook.open_connection() as conn:
+                rows = self.hook.ledger.chunk_rows(conn, run_key)
+        except Exception:  # noqa: BLE001 - the message without labels still names the chunk keys
+            return ""
+        wanted = set(expected)
+        labels = [ChunkSpec.of_row(r).label() for r in rows if r["chunk_key"] in wanted and r["state"] != "complete"]
+        if not labels:
+            return ""
+        more = " …" if len(labels) > LABELS_SHOWN else ""
+        return f" (in the UI: {', '.join(labels[:LABELS_SHOWN])}{more})"
 
     def _report_leftovers(self, context: Context, run_key: str) -> None:
         """Measure the cleanup lag (the oldest eligible row left before the cutoff), store it on the run's

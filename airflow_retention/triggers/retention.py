@@ -12,13 +12,16 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 class RetentionCompleteTrigger(BaseTrigger):
     """Poll the ledger every ``poll_interval`` seconds; fire ``complete`` when every expected chunk is
-    complete, or ``timeout`` with the missing chunk keys once ``timeout`` seconds have passed.
+    complete, or ``timeout`` with the missing chunk keys once ``timeout`` seconds have passed, or
+    ``recheck`` (with the seconds ``remaining`` of the timeout) after ``recheck_after`` seconds, for the
+    sensor to look at what the triggerer cannot see (the chunk tasks' states) and defer again.
 
     :param policy: the policy as a mapping (``RetentionPolicy.from_dict`` input), serialisable.
     :param run_key: the run to wait for.
     :param expected_keys: the chunk keys the planner handed out.
     :param poll_interval: seconds between checks.
     :param timeout: seconds after which the trigger gives up.
+    :param recheck_after: seconds after which to hand back to the sensor; None never.
     """
 
     def __init__(
@@ -30,6 +33,7 @@ class RetentionCompleteTrigger(BaseTrigger):
         poll_interval: float = 30.0,
         timeout: float = 3600.0,
         started_at: float | None = None,
+        recheck_after: float | None = None,
     ) -> None:
         super().__init__()
         self.policy = policy
@@ -38,6 +42,7 @@ class RetentionCompleteTrigger(BaseTrigger):
         self.poll_interval = poll_interval
         self.timeout = timeout
         self.started_at = started_at if started_at is not None else time.time()
+        self.recheck_after = recheck_after
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -49,6 +54,7 @@ class RetentionCompleteTrigger(BaseTrigger):
                 "poll_interval": self.poll_interval,
                 "timeout": self.timeout,
                 "started_at": self.started_at,
+                "recheck_after": self.recheck_after,
             },
         )
 
@@ -66,8 +72,13 @@ class RetentionCompleteTrigger(BaseTrigger):
             if ok:
                 yield TriggerEvent({"status": "complete", "run_key": self.run_key})
                 return
-            if time.time() - self.started_at >= self.timeout:
+            elapsed = time.time() - self.started_at
+            if elapsed >= self.timeout:
                 yield TriggerEvent({"status": "timeout", "run_key": self.run_key, "missing": missing})
+                return
+            if self.recheck_after is not None and elapsed >= self.recheck_after:
+                remaining = self.timeout - elapsed
+                yield TriggerEvent({"status": "recheck", "run_key": self.run_key, "remaining": remaining})
                 return
             self.log.info("run %s: %d chunk(s) not complete yet", self.run_key, len(missing))
             await asyncio.sleep(self.poll_interval)

@@ -390,3 +390,31 @@ def test_status_names_the_tenants_a_chunk_left_as_dead_letters(
     warnings = [w for p in result.json()["policies"] for w in p["warnings"] if w["kind"] == "dead_letter"]
     assert len(warnings) == 1 and "tenant 2 of blocks:" in warnings[0]["message"]
     assert "foreign key violation: rows of table orders still reference them" in warnings[0]["message"]
+
+
+def test_verify_says_which_tenant_a_packed_key_chunk_is_at(
+    capsys: Any, admin: Any, schema: str, tmp_path: Path, conn: Any
+) -> None:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 3_000, tenant="1 + mod(g, 4)")
+    data = policy_data(schema, chunk_by="key", tenant_column="tenant_id", chunk_rows=100_000, batch_size=100)
+    data["target_batch_time"] = 0
+    path = write_policies(tmp_path / "policies.yaml", data)
+    policy = make_policy(schema, **{k: v for k, v in data.items() if k != "name"})
+    plan = plan_run(conn, policy, CUTOFF)
+    (chunk,) = plan.chunks
+    assert chunk.tenants == ("1", "2", "3", "4")
+
+    class Stop(Exception):
+        pass
+
+    def stop_in_the_third_tenant(report: Any) -> None:
+        if report.tenant == "3":
+            raise Stop
+
+    with pytest.raises(Stop):
+        run_chunk(conn, policy, plan.cutoff, chunk, on_batch=stop_in_the_third_tenant)
+    next_key = scalar(admin, f'SELECT next_key FROM "{schema}_ledger".chunks')
+    result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "verify", "events_purge", "--date", RUN_DATE)
+    assert result.code == 1, result.err
+    assert f"tenant 3 (3 of 4) · {next_key:,}" in result.out

@@ -153,3 +153,57 @@ def test_a_lone_block_chunk_over_the_whole_range_stops_at_the_tables_end(schema:
     # It stopped at the table's last block: a handful of batches, not 2**62 blocks' worth.
     assert result.batches <= relation_blocks(admin, name) + 1
     assert run_chunk(conn, policy, CUTOFF, chunk, lone=True).already_complete
+
+
+def test_the_blocks_after_the_last_sampled_eligible_row_join_the_last_range() -> None:
+    from airflow_retention.core.planner import block_ranges
+
+    sampled = [(0, 10), (5, 10)]
+    # One range's worth: one range to the table's end, not a second one for blocks 6-19.
+    assert block_ranges(sampled, 1.0, 20, 20) == [(0, 20, 20)]
+    assert block_ranges(sampled, 1.0, 20, 10) == [(0, 1, 10), (1, 20, 10)]
+    assert block_ranges(sampled, 1.0, 6, 10) == [(0, 1, 10), (1, 6, 10)]
+    # Nothing sampled: one range over every block; an empty table: none.
+    assert block_ranges([], 1.0, 20, 10) == [(0, 20, 0)]
+    assert block_ranges([], 1.0, 0, 10) == []
+    # A block the sample saw beyond the measured end (the table grew since) makes no cut either.
+    assert block_ranges([(0, 10), (5, 10), (25, 10)], 1.0, 20, 10) == [(0, 1, 10), (1, 20, 20)]
+    # max_ranges still bounds the count, and the ranges still meet end to end.
+    assert block_ranges([(b, 10) for b in range(10)], 1.0, 12, 10, max_ranges=3) == [
+        (0, 1, 10),
+        (1, 2, 10),
+        (2, 12, 80),
+    ]
+
+
+def test_a_small_purge_of_an_appended_table_is_one_chunk_and_still_covers_its_tail(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    # Rows in insertion order of time: the eligible ones fill the first blocks, the newer ones the rest.
+    name = create_events(admin, schema)
+    fill_events(admin, name, 20_000, created="%(cutoff)s::timestamptz + (g - 8000) * interval '1 minute'")
+    # Free space in the newest blocks (no page left empty, so VACUUM keeps them), for rows inserted later.
+    rows(admin, f"DELETE FROM {name} WHERE id > 12000 AND mod(id, 2) = 0")
+    rows(admin, f"VACUUM ANALYZE {name}")
+    blocks = relation_blocks(admin, name)
+    policy = block_policy(schema, chunk_rows=None)  # chunks sized by time: this purge is one chunk's work
+    plan = plan_run(conn, policy, CUTOFF)
+    assert plan.sizing is not None and plan.sizing.chunks == 1
+    (chunk,) = plan.chunks
+    assert (chunk.lo, chunk.hi) == (0, blocks)
+    # Eligible rows inserted after planning: into the free space of the tail (the chunk's blocks) or
+    # past the measured end of the table (left for the next run, never half covered).
+    rows(
+        admin,
+        f"INSERT INTO {name} (id, tenant_id, created_at, status, payload)"
+        " SELECT g, 1, %(cutoff)s::timestamptz - interval '1 day', 'closed', md5(g::text)"
+        " FROM generate_series(100001, 106000) AS g",
+        {"cutoff": CUTOFF},
+    )
+    block_of = dict(rows(admin, f"SELECT id, (ctid::text::point)[0]::bigint FROM {name} WHERE id > 100000"))
+    inside = {i for i, b in block_of.items() if b < blocks}
+    assert inside and max(block_of[i] for i in inside) > blocks // 2  # some did land in the tail
+    eligible_before = set(eligible_ids(admin, name))
+    run_chunk(conn, policy, plan.cutoff, chunk)
+    assert set(eligible_ids(admin, name)) == eligible_before - {i for i in eligible_before if i <= 100000} - inside
+    assert set(eligible_ids(admin, name)) == set(block_of) - inside

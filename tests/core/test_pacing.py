@@ -12,7 +12,15 @@ import pytest
 
 from airflow_retention.core.engine import BatchReport, run_chunk
 from airflow_retention.core.errors import PolicyError, RetryableError
-from airflow_retention.core.pacing import MAX_BACKOFF_MS, BatchSizer, Throttler, read_pressure
+from airflow_retention.core.pacing import (
+    FULL_PAGE_SHRINK,
+    MAX_BACKOFF_MS,
+    BatchSizer,
+    CheckpointWatch,
+    Pacer,
+    Throttler,
+    read_pressure,
+)
 from airflow_retention.core.planner import plan_run
 from airflow_retention.core.policy import (
     DEFAULT_MAX_BATCH_SIZE,
@@ -41,12 +49,30 @@ from .helpers import (
 # -- BatchSizer ---------------------------------------------------------------------------------------
 
 
-def test_a_slow_batch_shrinks_the_next_one_at_once_by_at_most_half() -> None:
+def test_a_slow_batch_shrinks_the_next_one_at_once_by_its_whole_ratio() -> None:
     sizer = BatchSizer(1000, 10, 100_000, 200)
     assert sizer.observe(400, full=True) == 500  # twice the target: half
     assert sizer.observe(260, full=True) == 384  # 1.3x the target: by the ratio, 500 * 200/260
-    assert sizer.observe(10_000, full=True) == 192  # fifty times the target: still only half
-    assert sizer.observe(240, full=True) == 192  # within 1.25x: no change
+    # Seven times the target (full-page writes after a checkpoint): a seventh, not half and half again.
+    assert sizer.observe(1400, full=True) == 54
+    assert sizer.observe(240, full=True) == 54  # within 1.25x: no change
+    assert sizer.observe(100_000, full=True) == 10  # never below the smallest
+
+
+def test_a_batch_cut_by_the_checkpoint_watch_is_measured_at_its_own_size() -> None:
+    sizer = BatchSizer(8000, 10, 100_000, 200)
+    # The watch cut a batch to 2,000 rows and it still took 400 ms: the rate is 2,000 per 400 ms.
+    assert sizer.observe(400, full=True, size=2000) == 1000
+    # A cut batch that was fast says the full size is fine: it never grows past a doubling of the cut.
+    sizer = BatchSizer(8000, 10, 100_000, 200)
+    assert sizer.observe(40, full=True, size=2000) == 8000
+
+
+def test_a_batch_cut_short_by_the_statement_cap_retries_a_quarter() -> None:
+    sizer = BatchSizer(8000, 500, 100_000, 200)
+    assert sizer.cut_short(8000) and sizer.size == 2000
+    assert sizer.cut_short(1000) and sizer.size == 500
+    assert not sizer.cut_short(500)  # the smallest batch runs uncapped: its timeout is the policy's own
 
 
 def test_fast_batches_grow_the_size_only_after_two_in_a_row() -> None:
@@ -249,6 +275,88 @@ def test_other_new_fields_are_checked(field: str, value: object) -> None:
     _refused(field, **{field: value})
 
 
+def test_duty_cycle_and_chunk_time_defaults_and_round_trip() -> None:
+    policy = make_policy("s", chunk_rows=None)
+    assert (policy.max_duty_cycle, policy.target_chunk_ms, policy.chunk_rows) == (1.0, 45_000, None)
+    policy = make_policy("s", max_duty_cycle=0.25, target_chunk_time="2 min")
+    assert (policy.max_duty_cycle, policy.target_chunk_ms) == (0.25, 120_000)
+    assert make_policy("s", max_duty_cycle=1).max_duty_cycle == 1.0
+    assert RetentionPolicy.from_dict(policy_to_dict(policy)) == policy
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.01, float("nan"), "0.5", True, None])
+def test_bad_max_duty_cycle_is_refused(value: object) -> None:
+    assert "max_duty_cycle" in str(_refused("max_duty_cycle", max_duty_cycle=value))
+
+
+@pytest.mark.parametrize("value", ["500ms", 999, "soon", 0, "2 days"])
+def test_bad_target_chunk_time_is_refused(value: object) -> None:
+    _refused("target_chunk_time", target_chunk_time=value)
+
+
+# -- duty cycle, statement cap, checkpoint watch ---------------------------------------------------
+
+
+def test_duty_cycle_pauses_after_each_batch_in_proportion_to_it(schema: str, conn: Any, admin: Any) -> None:
+    table = small_table(admin, schema, 3000)
+    policy = make_policy(schema, batch_size=500, target_batch_time=0, max_duty_cycle=0.25)
+    (chunk,) = plan_run(conn, policy, CUTOFF).chunks
+    eligible = eligible_ids(admin, table)
+    pauses: list[float] = []
+    result = run_chunk(conn, policy, CUTOFF, chunk, sleep=pauses.append)
+    assert result.rows_deleted == len(eligible) and eligible_ids(admin, table) == []
+    # After every batch but the last: three times its duration (batches 25 % of the time).
+    assert len(pauses) == result.batches - 1 >= 4
+    for pause, batch in zip(pauses, result.batch_log, strict=False):
+        assert pause == pytest.approx(3 * batch.ms / 1000)
+    assert result.duty_seconds == pytest.approx(sum(pauses))
+    # The default never pauses.
+    assert Pacer.for_policy(make_policy(schema), sleep=pauses.append).rest(100.0) == 0.0
+
+
+def test_statement_cap_applies_above_the_smallest_batch_only() -> None:
+    policy = make_policy("s", target_batch_time="200ms", batch_size=5000, min_batch_size=500, statement_timeout="60s")
+    pacer = Pacer.for_policy(policy, sleep=lambda _: None)
+    assert pacer.statement_timeout(5000) == 300
+    assert pacer.statement_timeout(500) == 60_000
+    # A policy's own timeout below the cap is kept, and its firing is not a cut.
+    tight = Pacer.for_policy(
+        make_policy("s", target_batch_time="200ms", statement_timeout="100ms"), sleep=lambda _: None
+    )
+    assert tight.statement_timeout(100) == 100
+    assert not tight.cut_short(RetryableError("statement timeout", "57014"), 100, 100.0)
+    # Another error is never a cut.
+    assert not pacer.cut_short(RetryableError("lock timeout", "55P03"), 5000, 10.0)
+    assert pacer.cut_short(RetryableError("statement timeout", "57014"), 5000, 300.0) and pacer.size == 1250
+    assert Pacer.for_policy(make_policy("s", target_batch_time=0), sleep=lambda _: None).statement_timeout(5000) == (
+        policy.statement_timeout_ms
+    )
+
+
+def test_checkpoint_watch_cuts_one_batch_per_running_checkpoint(conn: Any, admin: Any) -> None:
+    watch = CheckpointWatch("test")
+    assert watch.factor(conn, 8000, 200) in (1, FULL_PAGE_SHRINK)  # reads the real server's settings
+    assert watch.enabled and watch.trigger_bytes >= 2**20 and watch.timeout_s >= 30
+    # Far from any trigger: no cut.
+    watch = CheckpointWatch("test", trigger_bytes=2.0**62, timeout_s=10.0**9)
+    assert [watch.factor(conn, 8000, 200) for _ in range(3)] == [1, 1, 1]
+    # Past the WAL trigger (a checkpoint running): one cut batch measures its full-page writes, then no more
+    # until another checkpoint.
+    watch = CheckpointWatch("test", trigger_bytes=1.0, timeout_s=10.0**9)
+    assert [watch.factor(conn, 8000, 200) for _ in range(3)] == [FULL_PAGE_SHRINK, 1, 1]
+    # The next batch's WAL may reach the trigger: cut ahead of it.
+    watch = CheckpointWatch("test", trigger_bytes=2.0**62, timeout_s=10.0**9)
+    watch.factor(conn, 8000, 200)
+    assert watch._lsn is not None
+    watch._lsn -= 2.0**61  # as if the last batch wrote that much WAL: the trigger is one batch away
+    assert watch.factor(conn, 8000, 200) == FULL_PAGE_SHRINK
+    # checkpoint_timeout within two batches: cut ahead of it as well.
+    watch = CheckpointWatch("test", trigger_bytes=2.0**62, timeout_s=10.0**9)
+    age = scalar(admin, "SELECT extract(epoch FROM now() - checkpoint_time) FROM pg_control_checkpoint()")
+    watch.timeout_s = float(age) + 2  # the next batch, expected to take 2 s, may run into it
+    assert watch.factor(conn, 8000, 2000) == FULL_PAGE_SHRINK
+
+
 # -- the throttle against the real server --------------------------------------------------------------
 
 
@@ -404,16 +512,22 @@ def test_a_probe_above_its_maximum_pauses_and_the_purge_resumes_when_it_falls(
 # -- adaptive batch size, end to end ----------------------------------------------------------------
 
 
-def _sizes_follow_the_sizer(policy: RetentionPolicy, chunk_hi: int, log: list[BatchReport]) -> list[int]:
-    """The engine used exactly the sizes a BatchSizer picks from the durations it measured (replayed
-    here); every step at most doubles or halves. Returns the sizes."""
+def _sizes_follow_the_sizer(
+    policy: RetentionPolicy, chunk_hi: int, log: list[BatchReport], start: int | None = None
+) -> list[int]:
+    """The engine used exactly the sizes a BatchSizer started at ``start`` (default ``batch_size``)
+    picks from the durations it measured (replayed here), or a quarter of one where the checkpoint
+    watch cut a batch (a checkpoint may be running on the shared test server). Returns the sizes."""
     sizes = [b.size for b in log]
-    replay = BatchSizer(sizes[0], policy.min_batch_size, policy.max_batch_size, policy.target_batch_ms)
+    replay = BatchSizer(
+        start or policy.batch_size, policy.min_batch_size, policy.max_batch_size, policy.target_batch_ms
+    )
     for b in log:
-        assert b.size == replay.size, [(b.size, round(b.ms, 1)) for b in log]
-        replay.observe(b.ms, full=b.hi < chunk_hi)
+        cut = max(replay.smallest, replay.size // FULL_PAGE_SHRINK)
+        assert b.size in (replay.size, cut), [(b.size, round(b.ms, 1)) for b in log]
+        replay.observe(b.ms, full=b.hi < chunk_hi, size=b.size)
     for before, after in itertools.pairwise(sizes):
-        assert before // 2 <= after <= 2 * before, sizes
+        assert before // FULL_PAGE_SHRINK <= after <= FULL_PAGE_SHRINK * before, sizes
     return sizes
 
 
@@ -435,24 +549,24 @@ def test_batch_size_grows_towards_the_target_and_the_next_chunk_starts_there(
     assert len(plan.chunks) == 2
     first = run_chunk(conn, policy, CUTOFF, plan.chunks[0])
     sizes = _sizes_follow_the_sizer(policy, plan.chunks[0].hi, first.batch_log)
-    assert sizes[0] == 100
     assert max(sizes) >= 400, sizes  # 100 keys take far less than 15 ms here
     row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, plan.chunks[0].key)
     assert (row["min_batch_size"], row["max_batch_size"]) == (min(sizes), max(sizes))
-    assert row["last_batch_size"] == first.last_batch_size == sizes[-1] != 100
+    assert row["last_batch_size"] == first.last_batch_size == sizes[-1]
     assert row["rows_deleted"] == first.rows_deleted == plan.chunks[0].rows_planned
 
     second = run_chunk(conn, policy, CUTOFF, plan.chunks[1])
-    assert second.batch_log[0].size == row["last_batch_size"]  # not back to batch_size
-    _sizes_follow_the_sizer(policy, plan.chunks[1].hi, second.batch_log)
+    # Not back to batch_size: it starts where the first chunk settled.
+    _sizes_follow_the_sizer(policy, plan.chunks[1].hi, second.batch_log, start=row["last_batch_size"])
     assert eligible_ids(admin, table) == []
     rows_ = ledger_chunks(admin, policy.ledger_schema, plan.run_key)
     assert [r["last_batch_size"] for r in rows_] == [first.last_batch_size, second.last_batch_size]
 
 
-def test_batch_size_shrinks_when_batches_are_slow(schema: str, conn: Any, admin: Any) -> None:
+def test_a_slow_batch_is_cut_short_by_the_statement_cap_and_retried_smaller(schema: str, conn: Any, admin: Any) -> None:
     table = small_table(admin, schema, 3000)
-    # Each row that reaches the condition sleeps 0.5 ms: 1000 keys take about 200 ms, ten times the target.
+    # Each row that reaches the condition sleeps 0.5 ms: 1000 keys take about 500 ms, 25 times the
+    # target; the cap (1.5x the target, 30 ms) cancels such a batch, and its range is retried smaller.
     policy = make_policy(
         schema,
         condition="status <> 'open' AND pg_sleep(0.0005) IS NOT NULL",
@@ -464,11 +578,13 @@ def test_batch_size_shrinks_when_batches_are_slow(schema: str, conn: Any, admin:
     (chunk,) = (plan := plan_run(conn, policy, CUTOFF)).chunks
     eligible = eligible_ids(admin, table)
     result = run_chunk(conn, policy, CUTOFF, chunk)
-    sizes = _sizes_follow_the_sizer(policy, chunk.hi, result.batch_log)
-    assert sizes[:3] == [1000, 500, 250], [(b.size, round(b.ms)) for b in result.batch_log]
+    sizes = [b.size for b in result.batch_log]
+    assert result.batches_cut >= 2, sizes  # 1000 and 250 rows both take longer than 30 ms
+    assert sizes[0] <= 62, [(b.size, round(b.ms)) for b in result.batch_log]
+    # Only batches at the smallest size run uncapped; every other committed batch stayed near the cap.
+    assert all(b.ms < 200 for b in result.batch_log if b.size > policy.min_batch_size), sizes
     assert result.rows_deleted == len(eligible)
     assert eligible_ids(admin, table) == []
     row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
-    assert row["max_batch_size"] == 1000
-    assert row["min_batch_size"] == min(sizes) <= 250
-    assert row["last_batch_size"] == sizes[-1] < 1000
+    assert row["max_batch_size"] == max(sizes) < 1000  # the cancelled batches left no trace but the log
+    assert row["rows_deleted"] == len(eligible)

@@ -11,9 +11,19 @@ from typing import Any
 
 import pytest
 
+from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.planner import MAX_TENANTS_PER_CHUNK, Plan, Preview, compute_plan, plan_run
+from airflow_retention.core.ledger import ChunkSpec, MeasuredRate
+from airflow_retention.core.planner import (
+    ASSUMED_BLOCKS_PER_S,
+    ASSUMED_ROWS_PER_S,
+    MAX_TENANTS_PER_CHUNK,
+    Plan,
+    Preview,
+    compute_plan,
+    plan_run,
+    size_chunks,
+)
 from airflow_retention.core.policy import RetentionPolicy
 from tests.conftest import connect
 
@@ -392,3 +402,115 @@ def test_interleaved_tenants_are_warned_about_and_clustered_ones_are_not(
             assert abs(correlation) < 0.5 and warned and "chunk_by 'block'" in warned[0]
         else:
             assert abs(correlation) > 0.9 and not warned
+
+
+# -- chunks sized by time --------------------------------------------------------------------------
+
+
+def _timed(**overrides: Any) -> RetentionPolicy:
+    return make_policy("s", **{"chunk_rows": None, "batch_size": 1000, "max_active_chunks": 4, **overrides})
+
+
+def test_without_history_a_small_purge_is_one_chunk_at_assumed_rates() -> None:
+    sizing = size_chunks(_timed(chunk_by="block"), 500_000, 20_000, None, 1024)
+    assert (sizing.chunks, sizing.measured_chunks) == (1, 0)
+    assert sizing.rows_per_s == ASSUMED_ROWS_PER_S["block"] and sizing.blocks_per_s == ASSUMED_BLOCKS_PER_S
+    assert sizing.seconds == pytest.approx(2.5)
+    assert "assumed" in sizing.reason and "one chunk" in sizing.reason
+
+
+def test_work_long_enough_to_share_gets_max_active_chunks() -> None:
+    # 30 s of work: under one target chunk (45 s), but three chunks of 10 s for max_active_chunks 4.
+    sizing = size_chunks(_timed(chunk_by="key"), 30 * ASSUMED_ROWS_PER_S["key"], None, None, 1024)
+    assert (sizing.chunks, sizing.chunk_rows) == (3, 10 * ASSUMED_ROWS_PER_S["key"])
+    assert "max_active_chunks 4 to share" in sizing.reason
+    sizing = size_chunks(_timed(chunk_by="key"), 60 * ASSUMED_ROWS_PER_S["key"], None, None, 1024)
+    assert sizing.chunks == 4  # two by time, four to share
+
+
+def test_long_work_is_cut_by_target_chunk_time_up_to_max_chunks() -> None:
+    rate = MeasuredRate(chunks=3, rows=3_000_000, blocks=None, seconds=30.0)  # 100,000 rows/s
+    sizing = size_chunks(_timed(chunk_by="key", target_chunk_time="1 min"), 100_000_000, None, rate, 1024)
+    assert (sizing.chunks, sizing.rows_per_s, sizing.measured_chunks) == (17, 100_000, 3)  # 1,000 s / 60 s
+    assert sizing.chunk_rows == -(-100_000_000 // 17)
+    assert "measured over 3 chunk(s)" in sizing.reason
+    capped = size_chunks(_timed(chunk_by="key", target_chunk_time="1s"), 100_000_000, None, rate, 16)
+    assert capped.chunks == 16 and "max_map_length 16" in capped.reason
+
+
+def test_blocks_bound_the_estimate_when_the_rows_are_fewer_than_measured() -> None:
+    # Measured on chunks that deleted 1,000,000 rows over 100,000 blocks in 10 s; now 10,000 rows over
+    # 400,000 blocks: the blocks say 40 s (rows alone would say 0.1 s).
+    rate = MeasuredRate(chunks=2, rows=1_000_000, blocks=100_000, seconds=10.0)
+    sizing = size_chunks(_timed(chunk_by="block"), 10_000, 400_000, rate, 1024)
+    assert sizing.seconds == pytest.approx(40.0)
+    assert sizing.chunks == 4
+
+
+def test_explicit_chunk_rows_overrides_the_time() -> None:
+    sizing = size_chunks(_timed(chunk_rows=250_000), 1_000_000, None, None, 1024)
+    assert (sizing.chunks, sizing.chunk_rows) == (4, 250_000)
+    assert "chunk_rows 250,000 set in the policy" in sizing.reason
+
+
+def test_chunk_count_follows_the_rate_measured_in_earlier_runs(schema: str, conn: Any, admin: Any) -> None:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 5000)
+    policy = make_policy(schema, chunk_rows=None, max_active_chunks=4)
+    # No earlier run: assumed rates, and these few rows make one chunk.
+    first = plan_run(conn, policy, CUTOFF - timedelta(days=1))
+    assert first.sizing is not None and first.sizing.measured_chunks == 0
+    assert len(first.chunks) == 1 and "assumed" in first.sizing.reason
+    (chunk,) = first.chunks
+    deleted = run_chunk(conn, policy, CUTOFF - timedelta(days=1), chunk).rows_deleted
+    assert deleted > 1000
+    # As if that chunk had taken 100 s from its first batch to its end.
+    rows(
+        admin,
+        f"UPDATE \"{schema}_ledger\".chunks SET first_started_at = completed_at - interval '100 seconds'"
+        " WHERE run_key = %(k)s",
+        {"k": first.run_key},
+    )
+    second = plan_run(conn, policy, CUTOFF)
+    sizing = second.sizing
+    assert sizing is not None and sizing.measured_chunks == 1
+    assert sizing.rows_per_s == pytest.approx(deleted / 100, rel=1e-3)
+    assert sizing.seconds == pytest.approx(second.rows_planned / (deleted / 100), rel=1e-3)
+    # 5000 rows hold about 1,540 eligible at the first cutoff and 1,030 more at the second: about 67 s
+    # of work, two chunks by time, four to share among max_active_chunks.
+    assert 45 < sizing.seconds < 90
+    assert len(second.chunks) == sizing.chunks == 4
+    assert all(c.rows_planned <= sizing.chunk_rows for c in second.chunks)
+    assert ledger_run(admin, policy.ledger_schema, second.run_key)["chunk_rows"] == sizing.chunk_rows
+    # A shorter target_chunk_time cuts the same work into more chunks (compute_plan reads the history too).
+    preview = compute_plan(conn, make_policy(schema, chunk_rows=None, target_chunk_time="10s"), CUTOFF)
+    assert preview.sizing is not None and len(preview.chunks) == preview.sizing.chunks == 7
+    # A dry run is measured on dry runs only: none yet.
+    dry = compute_plan(conn, make_policy(schema, chunk_rows=None, dry_run=True), CUTOFF)
+    assert dry.sizing is not None and dry.sizing.measured_chunks == 0
+
+
+def test_block_plan_reads_its_history_of_block_chunks(schema: str, conn: Any, admin: Any) -> None:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 5000)
+    rows(admin, f"ANALYZE {table}")
+    policy = make_policy(schema, chunk_rows=None, chunk_by="block")
+    first = plan_run(conn, policy, CUTOFF - timedelta(days=1))
+    for chunk in first.chunks:
+        run_chunk(conn, policy, CUTOFF - timedelta(days=1), chunk)
+    rows(
+        admin,
+        f"UPDATE \"{schema}_ledger\".chunks SET first_started_at = completed_at - interval '20 seconds'"
+        " WHERE run_key = %(k)s",
+        {"k": first.run_key},
+    )
+    blocks = int(scalar(admin, f"SELECT relpages FROM pg_class WHERE oid = '{table}'::regclass"))
+    preview = compute_plan(conn, policy, CUTOFF)
+    sizing = preview.sizing
+    assert sizing is not None and sizing.measured_chunks == len(first.chunks)
+    assert sizing.blocks is not None and sizing.blocks_per_s is not None
+    assert sizing.blocks_per_s == pytest.approx(sum(c.hi - c.lo for c in first.chunks) / (20 * len(first.chunks)))
+    assert blocks > 0 and sizing.seconds >= sizing.blocks / sizing.blocks_per_s - 1e-9
+    # A key-range history is not a block one: a key policy of the same name sees none.
+    key = compute_plan(conn, make_policy(schema, chunk_rows=None), CUTOFF)
+    assert key.sizing is not None and key.sizing.measured_chunks == 0

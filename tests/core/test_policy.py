@@ -56,7 +56,7 @@ def test_minimal_policy_is_normalised() -> None:
     assert (policy.lock_timeout_ms, policy.statement_timeout_ms) == (2000, 500)
     assert policy.tags == ("a", "b")
     assert policy.start_date == datetime(2026, 1, 1, tzinfo=timezone.utc)
-    assert (policy.batch_size, policy.chunk_rows, policy.dry_run) == (5000, 250_000, False)
+    assert (policy.batch_size, policy.chunk_rows, policy.dry_run) == (5000, None, False)  # None: sized by time
 
 
 @pytest.mark.parametrize("key", ["colour", "batchsize", "lock_timeout_ms", "Table"])

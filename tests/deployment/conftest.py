@@ -1,5 +1,12 @@
 """One real Airflow deployment shared by every module here: metadata in PostgreSQL, LocalExecutor, the
-project's ``dags/`` as dags folder, scheduler / dag-processor / api-server / triggerer as separate processes."""
+project's ``dags/`` as dags folder, scheduler / dag-processor / api-server / triggerer as separate processes.
+
+On a loaded machine: every wait polls, within a budget sized from runs measured with both cores busy
+(``harness.budget``); a wait that runs out raises DeploymentTimeout with the deployment's diagnostics (task
+instance states, PostgreSQL sessions, the end of each process's log), and any other failure of a test that
+uses a deployment gets the same diagnostics as a report section. ``RETENTION_TEST_PATIENCE=2`` doubles every
+budget; ``RETENTION_TEST_WAIT_LOG=FILE`` records each wait's time (the measured runs).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +23,10 @@ from psycopg2.extensions import make_dsn
 
 from airflow_retention.core.cutoff import freeze_cutoff
 from airflow_retention.core.policy import RetentionPolicy, load_policies
-from airflow_retention.demo.deployment import Deployment
 from airflow_retention.demo.postgres import admin_execute
 from airflow_retention.demo.seed import seed_examples
 from tests.conftest import DSN, REPO
+from tests.deployment.harness import Deployment, DeploymentTimeout
 
 TODAY = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
 ARTIFACTS = REPO / "test-artifacts"
@@ -51,6 +58,18 @@ MISSED_POLICY = {
     "batch_size": 500,
 }
 EXAMPLES = ("webhook_deliveries", "tenant_events", "audit_log", "api_requests")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failed test's report carries what its deployment was doing (a timeout's message already does)."""
+    report: pytest.TestReport = yield
+    if report.failed and call.excinfo is not None and not call.excinfo.errisinstance(DeploymentTimeout):
+        for value in getattr(item, "funcargs", {}).values():
+            if isinstance(value, Deployment):
+                value.failed = True  # keep its logs
+                report.sections.append(("deployment diagnostics", value.diagnostics()))
+    return report
 
 
 def one(conn: Any, sql: str, params: Any = None) -> Any:

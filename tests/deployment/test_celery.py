@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,11 @@ import yaml
 from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy, load_policies
-from airflow_retention.demo.deployment import Deployment
 from tests.conftest import DSN, REPO
 from tests.deployment.conftest import day, one
+from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(TEST_TIMEOUT)]
 
 CHUNKS, ROWS_PER_CHUNK, BATCH = 32, 5_000, 1_000
 ELIGIBLE = CHUNKS * ROWS_PER_CHUNK
@@ -153,7 +153,7 @@ def test_two_celery_workers_share_the_chunks_and_the_survivor_finishes_a_killed_
     started = time.monotonic()
     try:
         run = d.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": logical.strftime("%Y-%m-%dT%H:%M:%SZ")})
-        chunks = d.wait_until(lambda: ledger.version(target) and ledger.chunk_rows(target, key), 120, "the plan")
+        chunks = d.wait_until(lambda: ledger.version(target) and ledger.chunk_rows(target, key), budget(30), "the plan")
         assert len(chunks) == CHUNKS
         # The victim: the chunk in the middle of the plan, not started yet. Hold a row of its third batch, so
         # that its worker commits two batches and then waits inside the third one when it is killed.
@@ -171,24 +171,24 @@ def test_two_celery_workers_share_the_chunks_and_the_survivor_finishes_a_killed_
             row = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key)}[victim["chunk_key"]]
             return row["last_host"] if row["batches"] == 2 else None
 
-        host = d.wait_until(holder, 120, "the victim chunk to commit two batches", interval=0.2)
+        host = d.wait_until(holder, budget(40), "the victim chunk to commit two batches", interval=0.2)
         victim_pid = int(host.rsplit(":", 1)[1])
         doomed = d.worker_of(victim_pid)  # the task process is alive, blocked in the held batch
         assert doomed is not None, f"pid {victim_pid} is in no Celery worker's session"
         (survivor,) = set(d.workers) - {doomed}
         task_pss = pss_mib(victim_pid) + pss_mib(parent_pid(victim_pid))  # the task process and its supervisor
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), datetime.now(timezone.utc)
         d.kill_worker(doomed)
-        time.sleep(1)
-        # Read after the kill (and after a commit the server was finishing for a killed process): the
-        # doomed worker's other slot may complete a chunk up to the moment it dies.
+        # Read after the kill, and after the server has finished what the killed processes had sent: the
+        # doomed worker's other slot may complete a chunk up to the moment it dies (its commit lands after).
+        d.wait_sessions_settled(d.killed_ports[doomed], killed_wall)
         done_before = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key) if c["state"] == "complete"}
         assert len(done_before) >= 8
     finally:
         blocker.rollback()  # the killed task's server session now fails its batch and rolls it back
         blocker.close()
 
-    (run,) = d.wait_for_runs(dag_id, lambda rs: len(rs) == 1 and rs[0]["state"] in ("success", "failed"), 180)
+    (run,) = d.wait_for_runs(dag_id, lambda rs: len(rs) == 1 and rs[0]["state"] in ("success", "failed"), budget(120))
     elapsed, after_kill = time.monotonic() - started, time.monotonic() - killed_at
     assert run["state"] == "success"
 

@@ -11,11 +11,11 @@ import pytest
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.verify import missed_runs
-from airflow_retention.demo.deployment import Deployment
 from tests.deployment.conftest import day
-from tests.deployment.test_scheduler import backfill
+from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget
+from tests.deployment.test_scheduler import backfill, finished
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(TEST_TIMEOUT)]
 
 TABLE_SQL = """
 DROP TABLE IF EXISTS drill.missed;
@@ -36,7 +36,8 @@ def test_missed_days_show_as_a_gap_until_a_backfill_fills_them(
     deployment.wait_for_dag(dag_id)
     # Unpaused today after five days paused; catchup is off, so the scheduler runs only today's run.
     deployment.unpause(dag_id)
-    (run,) = deployment.wait_for_runs(dag_id, lambda rs: len(rs) == 1 and rs[0]["state"] == "success", 180)
+    (run,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), budget(45))
+    assert run["state"] == "success"
     assert run["logical_date"][:10] == day(0).date().isoformat()
 
     ledger = Ledger(policy.ledger_schema)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+from datetime import datetime, timezone
 from typing import Any
 
 import psycopg2
@@ -15,10 +15,10 @@ import pytest
 from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.demo.deployment import Deployment
 from tests.deployment.conftest import day, one
+from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget, tcp_client_ports
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(TEST_TIMEOUT)]
 
 TENANTS, CHUNKS_PER_TENANT, ROWS_PER_CHUNK = 10, 20, 5_000
 ELIGIBLE = TENANTS * CHUNKS_PER_TENANT * ROWS_PER_CHUNK
@@ -63,7 +63,7 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
     try:
         deployment.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": logical.strftime("%Y-%m-%dT%H:%M:%SZ")})
         chunks = deployment.wait_until(
-            lambda: ledger.version(target) and ledger.chunk_rows(target, key), 120, "the plan in the ledger"
+            lambda: ledger.version(target) and ledger.chunk_rows(target, key), budget(30), "the plan in the ledger"
         )
         assert len(chunks) == TENANTS * CHUNKS_PER_TENANT
         # Halfway: a chunk in the middle of the plan, not started yet. Hold a row of its third batch so that
@@ -83,19 +83,21 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
             row = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key)}[victim["chunk_key"]]
             return row["last_host"] if row["batches"] == 2 else None
 
-        host = deployment.wait_until(holder, 180, "the victim chunk to commit two batches")
+        host = deployment.wait_until(holder, budget(120), "the victim chunk to commit two batches", interval=0.5)
         pid = int(host.rsplit(":", 1)[1])
         done_before = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key) if c["state"] == "complete"}
         assert len(done_before) >= 10
+        ports, killed_at = tcp_client_ports([pid]), datetime.now(timezone.utc)
         os.kill(pid, signal.SIGKILL)
-        deployment.wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 30, "the worker to die")
-        time.sleep(1)
+        deployment.wait_until(lambda: not os.path.exists(f"/proc/{pid}"), budget(5), "the worker to die", 0.1)
+        # Its session waits for the held row; anything else it had sent has been finished.
+        deployment.wait_sessions_settled(ports, killed_at)
     finally:
         blocker.rollback()
         blocker.close()
 
     (run,) = deployment.wait_for_runs(
-        dag_id, lambda rs: len(rs) == 1 and rs[0]["state"] in ("success", "failed"), timeout=300
+        dag_id, lambda rs: len(rs) == 1 and rs[0]["state"] in ("success", "failed"), timeout=budget(150)
     )
     assert run["state"] == "success"
     final = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key)}
@@ -123,7 +125,8 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
         "GET", f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances/{dag_id}.purge_chunk/{victim['seq']}"
     )
     assert (ti["try_number"], ti["state"]) == (2, "success")
-    assert ti["rendered_map_index"] == f"tenant {victim['tenants'][0]} · ids {victim['lo']}-{victim['hi'] - 1}"
+    label = f"tenant {victim['tenants'][0]} · ids {victim['lo']}-{victim['hi'] - 1} · {ROWS_PER_CHUNK:,} deleted"
+    assert ti["rendered_map_index"].startswith(label), ti["rendered_map_index"]  # + "(N on this try)"
 
     # Redelivery: a completed chunk's task instance cleared in the UI (here through the same REST call)
     # and run again: one completion, zero rows.
@@ -143,11 +146,11 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
     path = f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances/{dag_id}.purge_chunk/{redelivered['seq']}"
     again = deployment.wait_until(
         lambda: (t := deployment.api("GET", path))["try_number"] == 2 and t["state"] == "success" and t,
-        180,
+        budget(45),
         "the cleared chunk to run again",
     )
     assert again["try_number"] == 2
-    deployment.wait_for_runs(dag_id, lambda rs: rs[0]["state"] == "success", timeout=180)
+    deployment.wait_for_runs(dag_id, lambda rs: rs[0]["state"] == "success", timeout=budget(45))
     replayed = {c["chunk_key"]: c for c in ledger.chunk_rows(target, key)}[redelivered["chunk_key"]]
     assert (replayed["completed_at"], replayed["completed_try_number"], replayed["attempts"]) == (
         redelivered["completed_at"],

@@ -12,11 +12,11 @@ import pytest
 from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.demo.deployment import Deployment
 from airflow_retention.demo.seed import snapshot
 from tests.deployment.conftest import ARTIFACTS, day
+from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(TEST_TIMEOUT)]
 
 LEDGER = Ledger("retention")
 
@@ -55,7 +55,7 @@ def test_the_scheduler_creates_and_runs_the_scheduled_runs(
     deployment.wait_for_dag("retention_webhook_deliveries")
     deployment.unpause("retention_webhook_deliveries")
     # catchup from two days ago: the scheduler itself creates a run per day, one at a time.
-    runs = deployment.wait_for_runs("retention_webhook_deliveries", lambda rs: finished(rs, 3), timeout=240)
+    runs = deployment.wait_for_runs("retention_webhook_deliveries", lambda rs: finished(rs, 3), timeout=budget(60))
     assert [r["run_type"] for r in runs] == ["scheduled"] * 3
     assert [r["state"] for r in runs] == ["success"] * 3
     assert [r["logical_date"][:10] for r in runs] == [d.date().isoformat() for d in (day(-2), day(-1), day(0))]
@@ -87,7 +87,7 @@ def backfill(deployment: Deployment, dag_id: str, start: datetime, end: datetime
     )
     return deployment.wait_until(
         lambda: (b := deployment.api("GET", f"/backfills/{created['id']}"))["completed_at"] and b,
-        timeout=240,
+        timeout=budget(75),
         what=f"backfill {created['id']} of {dag_id}",
     )
 
@@ -102,7 +102,7 @@ def test_backfills_through_the_rest_api_with_reprocess_behaviours(
     deployment.wait_for_dag(dag_id)
     deployment.unpause(dag_id)
     # catchup off: unpausing creates only the latest run.
-    (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=180)
+    (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=budget(45))
     assert (scheduled["run_type"], scheduled["state"]) == ("scheduled", "success")
     # The DAG stays unpaused: Airflow does not run the backfill runs of a paused DAG.
 
@@ -163,7 +163,7 @@ def test_a_backfill_created_in_the_ui_and_one_from_the_cli(
                 reprocess="none",
             )
             assert created.expected_runs == 1
-            (run,) = ui.wait_for_runs(page, deployment.base_url, dag_id, 1, 240, backfill=created)
+            (run,) = ui.wait_for_runs(page, deployment.base_url, dag_id, 1, budget(75), backfill=created)
             ui.screenshot_grid(page, deployment.base_url, dag_id, str(ARTIFACTS / "ui-backfill-grid.png"))
         finally:
             browser.close()
@@ -197,7 +197,7 @@ def test_a_backfill_created_in_the_ui_and_one_from_the_cli(
     assert out.returncode == 0, out.stderr
     deployment.wait_until(
         lambda: (r := ledger_run(target, policy, cli_day)) is not None and r["state"] == "complete",
-        timeout=180,
+        timeout=budget(45),
         what="the CLI backfill's run to complete in the ledger",
     )
     runs = {r["logical_date"][:10]: r for r in deployment.runs(dag_id)}
@@ -212,7 +212,7 @@ def test_a_pipeline_reusing_the_task_group_and_a_lone_chunk(
     deployment.unpause(dag_id)
     logical = day(-1)
     deployment.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": iso(logical)})
-    (run,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=180)
+    (run,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=budget(45))
     assert run["state"] == "success"
     states = {
         ti["task_id"]: ti["state"]
@@ -255,7 +255,7 @@ def test_a_partitioned_table_drops_its_expired_months_under_the_scheduler(
     deployment.wait_for_dag(dag_id)
     deployment.unpause(dag_id)
     # catchup off: unpausing creates the latest scheduled run (logical date today).
-    (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=240)
+    (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=budget(45))
     deployment.pause(dag_id)
     assert (scheduled["run_type"], scheduled["state"]) == ("scheduled", "success")
     with target.cursor() as cur:

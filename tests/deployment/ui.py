@@ -32,6 +32,8 @@ from datetime import date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
+from tests.deployment.harness import budget
+
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Locator, Page, Playwright, Response
 
@@ -76,6 +78,9 @@ LS_TIMEZONE = "timezone"
 LS_DAG_RUNS_LIMIT = "dag_runs_limit-{dag_id}"
 
 TERMINAL_STATES = frozenset({"success", "failed"})
+# Playwright's wait for one action or page load (its default is 30 s): a page of the UI loads in a few seconds
+# on the loaded 2-core machine, see harness.budget.
+ACTION_TIMEOUT_S = budget(15)
 
 
 @dataclass
@@ -104,6 +109,8 @@ def launch_browser(playwright: Playwright, executable_path: str = CHROMIUM_PATH)
 def new_page(browser: Browser, width: int = 1600, height: int = 1000, timezone_id: str = "UTC") -> Page:
     """Open a page in a fresh context with a fixed viewport and browser time zone (UTC by default)."""
     context = browser.new_context(viewport={"width": width, "height": height}, timezone_id=timezone_id)
+    context.set_default_timeout(ACTION_TIMEOUT_S * 1000)
+    context.set_default_navigation_timeout(ACTION_TIMEOUT_S * 1000)
     return context.new_page()
 
 
@@ -115,7 +122,7 @@ def _to_utc_datetime(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def login(page: Page, base_url: str, username: str, password: str, timeout_s: float = 30.0) -> None:
+def login(page: Page, base_url: str, username: str, password: str, timeout_s: float = ACTION_TIMEOUT_S) -> None:
     """Sign in through the Simple auth manager's login form; on return the ``_token`` cookie is set.
 
     The form posts to ``/auth/token``; RuntimeError when that is refused (wrong password: 401) or when the
@@ -437,7 +444,13 @@ def screenshot_grid(
     if collapse_details:
         page.get_by_role("button", name=COLLAPSE_DETAILS_LABEL).click()
     page.mouse.move(0, 0)  # no hover tooltip in the picture
-    page.wait_for_timeout(settle_s * 1000)  # the bars animate in
+    # The bars animate in: wait for the page's finite animations to end (a spinner's never does), then a
+    # moment for any it drives from script.
+    page.wait_for_function(
+        "() => document.getAnimations().every("
+        "a => a.playState !== 'running' || a.effect?.getComputedTiming().iterations === Infinity)"
+    )
+    page.wait_for_timeout(settle_s * 1000)
     page.screenshot(path=path, full_page=full_page)
 
 

@@ -26,6 +26,7 @@ POLICY = RetentionPolicy(
 
 def test_one_dag_per_policy_with_safe_defaults() -> None:
     from airflow_retention.dag_factory import build_dag
+    from airflow_retention.operators.retention import CHUNK_LABEL_TEMPLATE
 
     dag = build_dag(POLICY)
     assert dag.dag_id == "retention_shape"
@@ -40,9 +41,11 @@ def test_one_dag_per_policy_with_safe_defaults() -> None:
     assert plan.max_retry_delay == timedelta(minutes=10)
     assert chunks.pool == "retention_pool"
     assert chunks.max_active_tis_per_dagrun == 3
-    assert chunks.map_index_template == "{{ task.chunk_label }}"
+    assert chunks.map_index_template == CHUNK_LABEL_TEMPLATE
+    # verify runs after every chunk ended, even when none was planned (the empty mapped task is skipped)
     assert verify.trigger_rule == "all_done"
     assert verify.mode == "reschedule"
+    assert verify.poke_interval == 5  # only a chunk that may still be written is waited for
     assert verify.upstream_task_ids == {"retention_shape.purge_chunk", "retention_shape.plan"} or (
         verify.upstream_task_ids == {"retention_shape.purge_chunk"}
     )
@@ -66,3 +69,32 @@ def test_chunk_label_reads_well() -> None:
 
     op = RetentionChunkOperator(task_id="c", policy=POLICY, lo=120000, hi=130000, tenants=[7])
     assert op.chunk_label == "tenant 7 · ids 120000-129999"
+    assert RetentionChunkOperator(task_id="d", policy=POLICY, lo=1, hi=25655).chunk_label == "ids 1-25654"
+
+
+def test_the_label_template_shows_the_result_once_known_else_the_range() -> None:
+    """Rendered as Airflow renders ``map_index_template``: with the task's DAG's Jinja environment (strict
+    about undefined names) and the context, before execute and again after it."""
+    from airflow.sdk import DAG
+
+    from airflow_retention.operators.retention import CHUNK_LABEL_TEMPLATE, RetentionChunkOperator
+
+    with DAG(dag_id="labels", schedule=None) as dag:
+        op = RetentionChunkOperator(task_id="c", policy=POLICY, lo=0, hi=8192, chunk_key="blocks:0-8192")
+    template = dag.get_template_env().from_string(CHUNK_LABEL_TEMPLATE)
+    assert op.map_index_template == CHUNK_LABEL_TEMPLATE
+    assert template.render({"task": op}) == "blocks 0-8191"  # before execute, or after a failure
+    context = {"task": op, "chunk_label": "blocks 0-8191 · 12,067 deleted"}  # what execute leaves
+    assert template.render(context) == "blocks 0-8191 · 12,067 deleted"
+
+
+def test_a_chunks_result_in_a_few_words() -> None:
+    from airflow_retention.core.engine import ChunkResult
+    from airflow_retention.operators.retention import outcome_text
+
+    assert outcome_text(ChunkResult("r", "c", rows_deleted=12067), dry_run=False) == "12,067 deleted"
+    assert outcome_text(ChunkResult("r", "c", rows_matched=5), dry_run=True) == "5 would be deleted"
+    assert outcome_text(ChunkResult("r", "c", already_complete=True), dry_run=False) == "already complete"
+    archived = ChunkResult("r", "c", rows_deleted=3, rows_archived=3)
+    assert outcome_text(archived, dry_run=False) == "3 deleted, 3 archived"
+    assert outcome_text(ChunkResult("r", "c", rows_deleted=40, outcome="detached"), dry_run=False) == "40 detached"

@@ -4,13 +4,16 @@ the ledger afterwards."""
 from __future__ import annotations
 
 import os
+import re
+import threading
 import time
 from typing import Any
 
+import psycopg2
 import pytest
 
-from airflow_retention.core.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.ledger import Ledger
+from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, run_key
+from airflow_retention.core.ledger import ChunkSpec, Ledger
 from airflow_retention.core.policy import load_policies
 from tests.conftest import POLICIES_FILE
 from tests.provider.conftest import TEST_POLICIES, load_dag, query, resume, task_instances, utc, xcom_values
@@ -71,6 +74,8 @@ def test_every_example_dag_end_to_end(target: Any) -> None:
         labels = [ti.rendered_map_index for ti in task_instances(dag_run) if ti.task_id.endswith("purge_chunk")]
         unit = "blocks " if policy.chunk_by == "block" else "ids "
         assert labels and all(unit in label or label.startswith(("drop ", "detach ")) for label in labels)
+        # Once it ran, a chunk's label says what it did.
+        assert all(re.search(r" · [\d,]+ deleted(, [\d,]+ archived)?$", label) for label in labels), labels
         if policy.expired_partitions == "drop":
             assert any(label.startswith("drop api_requests_") for label in labels)
         if policy.tenant_column:
@@ -98,8 +103,9 @@ def test_a_partitioned_table_drops_whole_months_and_purges_the_straddling_one(ta
             count,
         )
     labels = sorted(ti.rendered_map_index for ti in task_instances(dag_run) if ti.task_id.endswith("purge_chunk"))
-    assert labels[:3] == [f"drop {m} · {n:,} rows" for m, n in per_month.items()]
+    assert labels[:3] == [f"drop {m} · {n:,} deleted" for m, n in per_month.items()]
     assert all(label.startswith("m04 · blocks ") for label in labels[3:]) and labels[3:]
+    assert sum(int(label.split(" · ")[-1].removesuffix(" deleted").replace(",", "")) for label in labels[3:]) == april
 
 
 def test_a_uuid_keyed_table_with_names_that_need_quoting(target: Any) -> None:
@@ -185,8 +191,13 @@ def test_a_failed_chunk_cleared_alone_reruns_alone_and_the_run_completes(
     chunks = {c["chunk_key"]: c for c in LEDGER.chunk_rows(target, key)}
     incomplete = [k for k, c in chunks.items() if c["state"] != "complete"]
     assert len(incomplete) == 1 and "lock timeout" in (chunks[incomplete[0]]["last_error"] or "")
-    assert incomplete[0] in capfd.readouterr().out  # the sensor named the missing chunk
+    out = " ".join(capfd.readouterr().out.split())  # Airflow 3.0's console log wraps long exception messages
+    assert incomplete[0] in out  # the sensor named the missing chunk by its ledger key
     assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE id = %s", (locked_id,))[0][0] == 1
+    # The failed chunk's label still names its range (the UI's way to find it), without a result.
+    failed_range = ChunkSpec.of_row(chunks[incomplete[0]]).label()
+    assert failed[0].rendered_map_index == failed_range
+    assert f"(in the UI: {failed_range})" in out  # and by the label its task shows
 
     done_before = {k: (c["completed_at"], c["attempts"]) for k, c in chunks.items() if c["state"] == "complete"}
     failed_index = failed[0].map_index
@@ -202,6 +213,14 @@ def test_a_failed_chunk_cleared_alone_reruns_alone_and_the_run_completes(
     assert all(c["state"] == "complete" for c in after.values())
     assert {k: (after[k]["completed_at"], after[k]["attempts"]) for k in done_before} == done_before
     assert after[incomplete[0]]["completed_try_number"] == 2
+    retried = next(
+        ti for ti in task_instances(finished) if ti.task_id.endswith("purge_chunk") and ti.map_index == failed_index
+    )
+    # The retry's label: the range and the chunk's rows over both tries (the first deleted some, then failed).
+    assert re.fullmatch(
+        rf"{re.escape(failed_range)} · {after[incomplete[0]]['rows_deleted']:,} deleted \([\d,]+ on this try\)",
+        retried.rendered_map_index,
+    ), retried.rendered_map_index
     assert ledger_run(target, "2026-02-05")["state"] == "complete"
     assert eligible(target, "2026-02-05") == 0
 
@@ -226,6 +245,90 @@ def test_nothing_eligible_ends_green_with_the_run_recorded(target: Any) -> None:
     run = ledger_run(target, "2026-01-05")
     assert run["state"] == "complete"
     assert (run["chunks_expected"], run["rows_deleted"]) == (0, 0)
+    # The empty mapped task is skipped; verify still runs, and says why there was nothing to do.
+    states = {ti.task_id: ti.state for ti in task_instances(dag_run)}
+    assert states["retention_t_orders.purge_chunk"] == "skipped"
+    assert states["retention_t_orders.verify"] == "success"
+    said = f"nothing eligible at cutoff {format_cutoff(run['cutoff'])}: 0 chunks"
+    (verify,) = xcom_values(dag_run, "retention_t_orders.verify")
+    assert verify["outcome"] == said  # the verify task's XCom, on its page in the UI
+
+
+def test_verify_decides_at_its_first_look_and_labels_show_each_chunks_result(target: Any) -> None:
+    dag_run = load_dag("retention_t_orders").test(logical_date=utc("2026-02-05"))
+    assert dag_run.state == "success"
+    tis = task_instances(dag_run)
+    verify = next(ti for ti in tis if ti.task_id.endswith("verify"))
+    assert (verify.state, reschedules(verify)) == ("success", 0)  # no poke interval waited
+    chunks = [ti for ti in tis if ti.task_id.endswith("purge_chunk")]
+    rows = {c["completed_map_index"]: c for c in LEDGER.chunk_rows(target, ledger_run(target, "2026-02-05")["run_key"])}
+    assert len(chunks) == len(rows) > 1
+    for ti in chunks:
+        row = rows[ti.map_index]
+        assert ti.rendered_map_index == f"{ChunkSpec.of_row(row).label()} · {row['rows_deleted']:,} deleted"
+
+
+def test_verify_waits_only_for_a_chunk_still_written_after_its_task_ended(
+    target: Any, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Chunk tasks marked "success" while a process (a zombie) still writes their chunks: verify waits for
+    it instead of failing, and completes the run once the ledger shows the chunks complete."""
+    from airflow_retention.core.engine import run_chunk
+    from tests.conftest import E2E_DSN
+
+    policy = orders_policy()
+    cutoff = freeze_cutoff(policy, utc("2026-02-05"))
+    key = run_key(policy, cutoff)
+    done = threading.Event()
+    failures: list[BaseException] = []
+
+    def zombie() -> None:
+        conn = psycopg2.connect(E2E_DSN)
+        conn.autocommit = True
+        try:
+            deadline = time.monotonic() + 60
+            while (
+                not query(conn, "SELECT to_regclass('airflow_t_ledger.chunks') IS NOT NULL")[0][0]
+                or not query(conn, "SELECT count(*) FROM airflow_t_ledger.chunks WHERE run_key = %s", (key,))[0][0]
+            ):
+                assert time.monotonic() < deadline, "the plan never reached the ledger"
+                time.sleep(0.05)
+            for _ in range(8):  # a batch a second for 8 s, as a live chunk process leaves it
+                query(
+                    conn,
+                    "UPDATE airflow_t_ledger.chunks SET state = 'running', last_batch_at = clock_timestamp()"
+                    " WHERE run_key = %s RETURNING 1",
+                    (key,),
+                )
+                time.sleep(1)
+            for chunk in LEDGER.stored_plan(conn, key):
+                run_chunk(conn, policy, cutoff, chunk)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failures.append(exc)
+        finally:
+            conn.close()
+            done.set()
+
+    writer = threading.Thread(target=zombie, daemon=True)
+    writer.start()
+    dag_run = load_dag("retention_t_orders").test(logical_date=utc("2026-02-05"), mark_success_pattern=r".*purge_chunk")
+    done.wait(60)
+    assert not failures, failures
+    assert dag_run.state == "success"
+    verify = next(ti for ti in task_instances(dag_run) if ti.task_id.endswith("verify"))
+    assert verify.state == "success" and reschedules(verify) >= 1
+    assert "may still be writing" in capfd.readouterr().out
+    assert ledger_run(target, "2026-02-05")["state"] == "complete"
+    assert eligible(target, "2026-02-05") == 0
+
+
+def reschedules(ti: Any) -> int:
+    """How many times a sensor's task instance was rescheduled (poked again later)."""
+    from airflow import settings
+    from airflow.models.taskreschedule import TaskReschedule
+    from sqlalchemy import func, select
+
+    return settings.Session().scalar(select(func.count()).where(TaskReschedule.ti_id == ti.id))
 
 
 def test_chunk_count_never_exceeds_max_map_length(target: Any) -> None:

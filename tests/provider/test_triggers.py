@@ -45,3 +45,22 @@ def test_trigger_times_out_naming_missing_chunks_then_fires_when_complete(target
         run_chunk(target, policy, cutoff, chunk)
     event = first_event(RetentionCompleteTrigger(**kwargs, poll_interval=0.2, timeout=5))
     assert event == {"status": "complete", "run_key": plan.run_key}
+
+
+def test_trigger_hands_back_to_the_sensor_to_recheck_the_chunk_tasks(target: Any) -> None:
+    from airflow_retention.core.planner import plan_run
+    from airflow_retention.triggers.retention import RetentionCompleteTrigger
+
+    policy = next(p for p in load_policies(TEST_POLICIES) if p.name == "t_orders")
+    plan = plan_run(target, policy, freeze_cutoff(policy, utc("2026-02-05")))
+    trigger = RetentionCompleteTrigger(
+        policy=policy_to_dict(policy),
+        run_key=plan.run_key,
+        expected_keys=[c.key for c in plan.chunks],
+        poll_interval=0.2,
+        timeout=30,
+        recheck_after=0.5,
+    )
+    event = first_event(RetentionCompleteTrigger(**trigger.serialize()[1]))
+    assert (event["status"], event["run_key"]) == ("recheck", plan.run_key)
+    assert 25 < event["remaining"] < 30  # the rest of the timeout, for the sensor's next deferral

@@ -37,6 +37,40 @@ REDIS_URL = os.environ.get("RETENTION_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 # The Redis key that marks a Redis database as taken by a running Deployment (it expires if never released).
 REDIS_CLAIM = "airflow-retention:deployment"
 WORKER_NAME_ENV = "RETENTION_WORKER_HOSTNAME"
+# The repository root: a Celery worker imports this module (its hostname callable) as ``tests.deployment.harness``,
+# and the ``airflow`` script does not put the working directory on sys.path.
+REPO = Path(__file__).resolve().parents[2]
+
+# How long the deployment tests wait. Each wait polls and returns as soon as its condition holds, so on an idle
+# machine a budget costs nothing; its size comes from a measured run: ``budget(s)`` for a step measured at ``s``
+# seconds on this 2-core machine with both cores busy (a CPU hog on each; docs/deployment.md, "Tests on a loaded
+# machine") is MARGIN times that, times ``$RETENTION_TEST_PATIENCE`` (default 1: raise it on a slower runner).
+# A budget that runs out raises DeploymentTimeout with what the deployment was doing.
+MARGIN = 4.0
+PATIENCE = float(os.environ.get("RETENTION_TEST_PATIENCE", "1"))
+# pytest-timeout for a deployment test: above the sum of any one test's budgets, so that a stuck step fails with
+# DeploymentTimeout and its diagnostics, never with pytest-timeout's bare stack dump.
+TEST_TIMEOUT = 3600 * PATIENCE
+# If set, every wait appends ``{"what", "seconds", "budget", "ok"}`` as a JSON line here: the measured runs.
+WAIT_LOG = os.environ.get("RETENTION_TEST_WAIT_LOG")
+LOG_TAIL = 25  # lines of each component's log in the diagnostics
+
+
+def budget(loaded_s: float) -> float:
+    """Seconds to wait for a step measured at ``loaded_s`` seconds on the loaded 2-core machine."""
+    return MARGIN * loaded_s * PATIENCE
+
+
+class DeploymentTimeout(TimeoutError):
+    """A wait ran out of its budget; the message holds the deployment's diagnostics."""
+
+
+def transient_errors() -> tuple[type[BaseException], ...]:
+    """Errors a poll may meet on a busy machine (a request or a connection that timed out): poll again."""
+    import psycopg2
+    import requests
+
+    return (requests.ConnectionError, requests.Timeout, psycopg2.OperationalError)
 
 
 def worker_hostname() -> str:
@@ -90,6 +124,35 @@ def session_of(pid: int) -> int | None:
         return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[3])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def tcp_client_ports(pids: list[int]) -> set[int]:
+    """The local ports of the established TCP connections of ``pids``: what ``pg_stat_activity.client_port``
+    shows for their PostgreSQL sessions. Read them before killing the processes."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list((Path("/proc") / str(pid) / "fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl, local_address, rem_address, st, queues, tr, retrnsmt, uid, timeout, inode
+            if fields[3] == "01" and fields[9] in inodes:  # 01: ESTABLISHED
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def free_port() -> int:
@@ -158,9 +221,12 @@ class Deployment:
         # Celery workers by name ("<prefix>-w1", ...): kept apart from ``processes`` since one may be killed.
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.killed_workers: set[str] = set()
+        # The killed workers' TCP client ports (``pg_stat_activity.client_port``), read before the kill.
+        self.killed_ports: dict[str, set[int]] = {}
         self.worker_prefix = f"retention-{uuid.uuid4().hex[:6]}"
         self.broker_url: str | None = None
         self.env = self._environment()
+        self.waits: list[dict[str, Any]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -210,15 +276,22 @@ class Deployment:
             **self.env,
             "AIRFLOW__CORE__HOSTNAME_CALLABLE": f"{__name__}.worker_hostname",
             WORKER_NAME_ENV: name,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), self.env.get("PYTHONPATH", "")) if p),
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
         }
 
-    def airflow(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def airflow(self, *args: str, check: bool = True, timeout: float = budget(75)) -> subprocess.CompletedProcess[str]:
         """Run an ``airflow`` CLI command in this deployment's environment."""
         exe = str(Path(sys.executable).with_name("airflow"))
-        return subprocess.run([exe, *args], env=self.env, check=check, capture_output=True, text=True, timeout=timeout)
+        try:
+            return subprocess.run(
+                [exe, *args], env=self.env, check=check, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            self.failed = True
+            raise DeploymentTimeout(f"airflow {' '.join(args)} ran over {timeout:.0f}s\n{self.diagnostics()}") from None
 
-    def start(self, health_timeout: float = 180) -> Deployment:
+    def start(self, health_timeout: float = budget(45)) -> Deployment:
         if self.celery and "AIRFLOW__CELERY__BROKER_URL" not in self.extra_env:
             self.broker_url, _ = claim_redis_db()
             self.env["AIRFLOW__CELERY__BROKER_URL"] = self.broker_url
@@ -257,7 +330,7 @@ class Deployment:
         )
         return self.workers[name]
 
-    def wait_worker_ready(self, name: str, timeout: float = 120) -> None:
+    def wait_worker_ready(self, name: str, timeout: float = budget(30)) -> None:
         """Until the worker has connected to the broker and listens on its queues (Celery logs "ready")."""
         log = self.home / f"{name}.log"
         self.wait_until(lambda: f"celery@{name} ready" in log.read_text(errors="replace"), timeout, f"{name} ready")
@@ -267,49 +340,78 @@ class Deployment:
         sid = session_of(pid)
         return next((name for name, proc in self.workers.items() if proc.pid == sid), None)
 
-    def kill_worker(self, name: str, timeout: float = 30) -> list[int]:
+    def kill_worker(self, name: str, timeout: float = budget(5)) -> list[int]:
         """SIGKILL the worker ``name`` and every process of its session: the Celery parent, its pool children,
         the task supervisors and the task processes (each task process has a process group of its own, so
         the worker's process group alone would miss them). Nothing gets to report anything. Returns the pids."""
         proc = self.workers[name]
         self.killed_workers.add(name)
         pids = session_pids(proc.pid)
+        self.killed_ports[name] = tcp_client_ports(pids)
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         proc.wait(timeout=timeout)
-        self.wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), timeout, f"{name} to die")
+        self.wait_until(
+            lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), timeout, f"{name} to die", interval=0.1
+        )
         return pids
 
     def wait_healthy(self, timeout: float) -> None:
         import requests
 
-        deadline = time.monotonic() + timeout
         wanted = {"metadatabase", "scheduler"} | {
             {"triggerer": "triggerer", "dag-processor": "dag_processor"}[c]
             for c in self.components
             if c in ("triggerer", "dag-processor")
         }
-        last: Any = None
-        while time.monotonic() < deadline:
-            self._check_alive()
+        last: dict[str, Any] = {}
+
+        def healthy() -> bool:
             try:
-                last = requests.get(f"{self.base_url}/api/v2/monitor/health", timeout=5).json()
-                if all((last.get(k) or {}).get("status") == "healthy" for k in wanted):
-                    return
-            except (requests.RequestException, ValueError):
-                pass
-            time.sleep(1)
-        raise TimeoutError(f"Airflow not healthy after {timeout:.0f}s: {last}; logs in {self.home}")
+                last.update(requests.get(f"{self.base_url}/api/v2/monitor/health", timeout=10).json())
+            except ValueError:  # not JSON yet: the server is still starting
+                return False
+            return all((last.get(k) or {}).get("status") == "healthy" for k in wanted)
+
+        try:
+            self.wait_until(healthy, timeout, f"Airflow to be healthy ({', '.join(sorted(wanted))})")
+        except DeploymentTimeout as exc:
+            raise DeploymentTimeout(f"the last health report: {last}\n{exc}") from None
+
+    def wait_sessions_settled(self, ports: set[int], since: Any, timeout: float = budget(5)) -> int:
+        """Until PostgreSQL has finished what killed clients (TCP ``ports``, sessions started before ``since``)
+        had sent: a commit already sent completes after the kill, then the session ends. A session waiting for
+        a lock ends only once the lock is released, so it is let be. Returns how many of those wait."""
+        import psycopg2
+
+        def settled() -> list[int] | None:
+            conn = psycopg2.connect(self.target_dsn, connect_timeout=10)
+            try:
+                with conn.cursor() as cur:
+                    cur.execute(
+                        "SELECT count(*) FILTER (WHERE wait_event_type IS DISTINCT FROM 'Lock'),"
+                        " count(*) FILTER (WHERE wait_event_type = 'Lock')"
+                        " FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND client_port = ANY(%s) AND backend_start < %s",
+                        (sorted(ports), since),
+                    )
+                    busy, waiting = cur.fetchone()
+                    return None if busy else [waiting]
+            finally:
+                conn.close()
+
+        (waiting,) = self.wait_until(settled, timeout, f"the sessions of {len(ports)} killed client sockets to end")
+        return int(waiting)
 
     def _check_alive(self) -> None:
         alive = {**self.processes, **{n: p for n, p in self.workers.items() if n not in self.killed_workers}}
         for name, proc in alive.items():
             if proc.poll() is not None:
                 self.failed = True
-                raise RuntimeError(f"{name} exited with {proc.returncode}; log: {self.home / (name + '.log')}")
+                raise RuntimeError(f"{name} exited with {proc.returncode}\n{self.diagnostics()}")
 
     def stop(self) -> None:
         everything = [*self.workers.values(), *self.processes.values()]
@@ -390,18 +492,31 @@ class Deployment:
     def api(self, method: str, path: str, **kwargs: Any) -> Any:
         import requests
 
-        response = requests.request(
-            method,
-            f"{self.base_url}/api/v2{path}",
-            headers={"Authorization": f"Bearer {self.token()}"},
-            timeout=60,
-            **kwargs,
-        )
+        # A busy api-server may drop or time out a request: repeat those that can be repeated (GET, PATCH).
+        idempotent = method in ("GET", "PATCH")
+        deadline = time.monotonic() + budget(15)
+        while True:
+            try:
+                response = requests.request(
+                    method,
+                    f"{self.base_url}/api/v2{path}",
+                    headers={"Authorization": f"Bearer {self.token()}"},
+                    timeout=60,
+                    **kwargs,
+                )
+            except (requests.ConnectionError, requests.Timeout):
+                if not idempotent or time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+                continue
+            if response.status_code < 500 or not idempotent or time.monotonic() > deadline:
+                break
+            time.sleep(1)
         if response.status_code >= 400:
             raise RuntimeError(f"{method} {path}: {response.status_code} {response.text}")
         return response.json() if response.content else None
 
-    def wait_for_dag(self, dag_id: str, timeout: float = 120) -> dict[str, Any]:
+    def wait_for_dag(self, dag_id: str, timeout: float = budget(30)) -> dict[str, Any]:
         return self.wait_until(lambda: self._dag_or_none(dag_id), timeout, f"DAG {dag_id} to be parsed")
 
     def _dag_or_none(self, dag_id: str) -> dict[str, Any] | None:
@@ -420,7 +535,7 @@ class Deployment:
         return self.api("GET", f"/dags/{dag_id}/dagRuns", params={"order_by": "logical_date", "limit": 100})["dag_runs"]
 
     def wait_for_runs(
-        self, dag_id: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = 180
+        self, dag_id: str, done: Callable[[list[dict[str, Any]]], bool], timeout: float = budget(60)
     ) -> list[dict[str, Any]]:
         """Poll the dag runs until ``done(runs)``; runs are dicts of the REST API."""
 
@@ -431,12 +546,115 @@ class Deployment:
         return self.wait_until(check, timeout, f"runs of {dag_id}")
 
     def wait_until(self, probe: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """Poll ``probe`` every ``interval`` seconds until it returns something true, and return that. A probe
+        that meets a transient error (a request or connection timed out) is polled again. After ``timeout``
+        seconds: DeploymentTimeout with the diagnostics. Each wait's time is kept in ``waits`` (and WAIT_LOG)."""
+        started = time.monotonic()
+        deadline = started + timeout
+        last_error: BaseException | None = None
+        transient = transient_errors()
+        while True:
             self._check_alive()
-            value = probe()
+            try:
+                value = probe()
+            except transient as exc:
+                value, last_error = None, exc
             if value:
+                self._record(what, time.monotonic() - started, timeout, ok=True)
                 return value
-            time.sleep(interval)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
         self.failed = True
-        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.home}")
+        self._record(what, time.monotonic() - started, timeout, ok=False)
+        error = f"; the last poll failed with {last_error!r}" if last_error else ""
+        raise DeploymentTimeout(f"timed out after {timeout:.0f}s waiting for {what}{error}\n{self.diagnostics()}")
+
+    def _record(self, what: str, seconds: float, timeout: float, *, ok: bool) -> None:
+        entry = {"what": what[:120], "seconds": round(seconds, 2), "budget": round(timeout), "ok": ok}
+        self.waits.append(entry)
+        if WAIT_LOG:
+            with open(WAIT_LOG, "a") as log:
+                log.write(json.dumps(entry) + "\n")
+
+    # -- diagnostics -----------------------------------------------------------------------------------
+
+    def diagnostics(self) -> str:
+        """What the deployment was doing: the machine's load, the task instances of the latest runs (metadata
+        database), the sessions of the target and metadata databases, and the end of each process's log."""
+        import psycopg2
+
+        parts = [f"== deployment diagnostics (logs kept in {self.home}); load average {os.getloadavg()}"]
+        for title, section in (
+            ("task instances of the latest runs", self._task_states),
+            ("pg_stat_activity: the target database, the metadata database's busy sessions", self._activity),
+        ):
+            try:
+                parts.append(f"== {title}\n{section()}")
+            except (psycopg2.Error, OSError) as exc:  # diagnostics must never hide the failure they explain
+                parts.append(f"== {title}: unavailable ({exc!r})")
+        for name in [*self.processes, *self.workers]:
+            parts.append(f"== last {LOG_TAIL} lines of {name}.log\n{self._tail(self.home / f'{name}.log')}")
+        return "\n".join(parts)
+
+    @staticmethod
+    def _tail(path: Path, lines: int = LOG_TAIL) -> str:
+        try:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            return f"(unreadable: {exc})"
+        return "\n".join(line[:400] for line in text)
+
+    def _query(self, dbname: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+        import psycopg2
+        from psycopg2.extensions import make_dsn
+
+        conn = psycopg2.connect(make_dsn(self.server_dsn, dbname=dbname, connect_timeout=10))
+        try:
+            conn.autocommit = True
+            with conn.cursor() as cur:
+                cur.execute("SET statement_timeout = '20s'")
+                cur.execute(sql, params)
+                return cur.fetchall()
+        finally:
+            conn.close()
+
+    def _task_states(self) -> str:
+        runs = self._query(
+            self.metadata_db,
+            "SELECT dag_id, run_id, state, run_type FROM dag_run ORDER BY id DESC LIMIT 8",
+        )
+        out = []
+        for dag_id, run_id, state, run_type in runs:
+            out.append(f"{dag_id} / {run_id} ({run_type}): {state}")
+            for task_id, ti_state, count, tries, hosts in self._query(
+                self.metadata_db,
+                "SELECT task_id, coalesce(state, 'none'), count(*), max(try_number),"
+                " string_agg(DISTINCT hostname, ',') FROM task_instance WHERE dag_id = %s AND run_id = %s"
+                " GROUP BY 1, 2 ORDER BY 1, 2",
+                (dag_id, run_id),
+            ):
+                out.append(f"    {task_id}: {count} {ti_state} (max try {tries}; hosts {hosts or '-'})")
+        unfinished = self._query(
+            self.metadata_db,
+            "SELECT dag_id, task_id, map_index, state, try_number, hostname, pid, queued_dttm, start_date"
+            " FROM task_instance WHERE state IN ('queued', 'scheduled', 'running', 'up_for_retry', 'restarting',"
+            " 'deferred') ORDER BY queued_dttm NULLS LAST LIMIT 20",
+        )
+        out += ["unfinished task instances:"] + [f"    {row}" for row in unfinished]
+        return "\n".join(out)
+
+    def _activity(self) -> str:
+        from psycopg2.extensions import parse_dsn
+
+        target = parse_dsn(self.target_dsn).get("dbname")
+        rows = self._query(
+            self.metadata_db,
+            "SELECT datname, pid, client_port, application_name, state, wait_event_type, wait_event,"
+            " round(extract(epoch FROM now() - xact_start)::numeric, 1) AS xact_s, left(query, 160)"
+            " FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            " AND (datname = %s OR (datname = %s AND state <> 'idle'))"  # the metadata's idle pool is noise
+            " ORDER BY datname, xact_start NULLS LAST LIMIT 60",
+            (target, self.metadata_db),
+        )
+        return "\n".join(f"    {row}" for row in rows) or "    (no sessions)"

@@ -1,0 +1,223 @@
+"""What the Retention view shows, read from each policy's ledger through the policy's Airflow connection.
+
+The numbers come from the code behind ``airflow-retention status`` (:mod:`airflow_retention.cli.report`), so
+the view and the command never disagree. Policies come from where the DAG file reads them:
+``$AIRFLOW_RETENTION_POLICIES``, else ``retention_policies.yaml`` in the dags folder. A policy whose
+database cannot be reached, or whose ledger cannot be read, gets a message instead of its numbers; the
+other policies are still shown. Nothing here writes: the view's sessions are read-only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from airflow_retention.cli.config import POLICIES_ENV, Target, connect, target_for
+from airflow_retention.cli.report import PolicyStatus, RunSummary, backfill_command, database_now, summarize_run
+from airflow_retention.core.ledger import ChunkSpec, Ledger
+from airflow_retention.core.policy import DAG_ID_PREFIX, RetentionPolicy
+
+# Runs per policy in the chart (and read from the ledger); the table shows the newest RUNS_IN_TABLE of them.
+RUNS_SHOWN = 30
+RUNS_IN_TABLE = 10
+# A page must not hang on a slow ledger query.
+STATEMENT_TIMEOUT = "15s"
+
+
+def policies_file() -> Path:
+    """The policies file the DAG file reads: ``$AIRFLOW_RETENTION_POLICIES``, else ``retention_policies.yaml``
+    in Airflow's dags folder (where ``airflow-retention init`` writes it)."""
+    env = os.environ.get(POLICIES_ENV)
+    if env:
+        return Path(env)
+    from airflow_retention.compat import conf
+    from airflow_retention.scaffold import POLICIES_FILE
+
+    return Path(conf.get("core", "dags_folder")) / POLICIES_FILE
+
+
+@dataclass(frozen=True)
+class PolicySet:
+    """The valid policies of the file and a line for each one left out (or for a file that cannot be read)."""
+
+    source: Path
+    policies: list[RetentionPolicy]
+    problems: list[str] = field(default_factory=list)
+
+
+def read_policies(path: Path | None = None) -> PolicySet:
+    from airflow_retention.core.errors import PolicyError
+    from airflow_retention.core.policy import load_policies_lenient
+
+    source = path or policies_file()
+    try:
+        policies, errors = load_policies_lenient(source)
+    except PolicyError as exc:
+        return PolicySet(source, [], [str(exc)])
+    return PolicySet(source, policies, [str(e) for e in errors])
+
+
+def dag_id(policy: RetentionPolicy) -> str:
+    return f"{DAG_ID_PREFIX}{policy.name}"
+
+
+@dataclass(frozen=True)
+class PolicyPanel:
+    """One policy as the view shows it: its status (runs newest first, missed days, warnings), or why not."""
+
+    policy: RetentionPolicy
+    status: PolicyStatus | None = None
+    error: str | None = None
+
+    @property
+    def dag_id(self) -> str:
+        return dag_id(self.policy)
+
+    @property
+    def backfill(self) -> str | None:
+        """The command that runs the missed days, if any."""
+        if self.status is None or not self.status.missed:
+            return None
+        return backfill_command(self.policy, self.status.missed)
+
+
+@contextmanager
+def ledger_session(target: Target) -> Iterator[Any]:
+    """A read-only psycopg2 connection to the target's database (connect timeout: the command's), whose
+    statements give up after :data:`STATEMENT_TIMEOUT`."""
+    with connect(target.dsn) as conn:
+        with conn.cursor() as cur:
+            cur.execute(
+                "SELECT set_config('statement_timeout', %(t)s, false),"
+                " set_config('default_transaction_read_only', 'on', false)",
+                {"t": STATEMENT_TIMEOUT},
+            )
+        conn.commit()
+        yield conn
+
+
+def failure_text(exc: BaseException) -> str:
+    """The first line of an error, as the view shows it (a driver's detail lines stay in the log)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def load_panels(
+    policies: Sequence[RetentionPolicy],
+    *,
+    limit: int = RUNS_SHOWN,
+    as_of: datetime | None = None,
+    dsn: str | None = None,
+) -> list[PolicyPanel]:
+    """Each policy's panel, in the given order. Policies sharing a database and ledger schema share one
+    connection; a database that cannot be reached is tried once and fails each of its policies.
+
+    :param policies: the policies to show.
+    :param limit: the runs to read per policy.
+    :param as_of: the time missed days are computed at (default: the database's now).
+    :param dsn: a DSN for every policy instead of their connections (tests, the command's ``--dsn``).
+    """
+    panels: dict[str, PolicyPanel] = {}
+    groups: dict[Target, list[RetentionPolicy]] = {}
+    for policy in policies:
+        try:
+            groups.setdefault(target_for(policy, dsn), []).append(policy)
+        except Exception as exc:  # noqa: BLE001 - an undefined or malformed connection is this policy's problem
+            panels[policy.name] = PolicyPanel(policy, error=failure_text(exc))
+    for target, group in groups.items():
+        try:
+            with ledger_session(target) as conn:
+                for policy in group:
+                    panels[policy.name] = _panel(conn, policy, limit, as_of)
+        except Exception as exc:  # noqa: BLE001 - the database is unreachable: say so for each of its policies
+            for policy in group:
+                panels.setdefault(policy.name, PolicyPanel(policy, error=failure_text(exc)))
+    return [panels[p.name] for p in policies]
+
+
+def _panel(conn: Any, policy: RetentionPolicy, limit: int, as_of: datetime | None) -> PolicyPanel:
+    from airflow_retention.cli.report import policy_status
+
+    try:
+        return PolicyPanel(policy, status=policy_status(conn, policy, limit=limit, as_of=as_of))
+    except Exception as exc:  # noqa: BLE001 - e.g. no privilege on the ledger schema: the other policies still show
+        error = f"cannot read the ledger in schema {policy.ledger_schema!r}: {failure_text(exc)}"
+        return PolicyPanel(policy, error=error)
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One chunk of a run: where it is in the table (its range, one notation everywhere) and how it went."""
+
+    chunk_key: str
+    seq: int | None
+    range_label: str
+    state: str
+    outcome: str | None
+    rows_planned: int | None
+    rows_deleted: int
+    rows_matched: int
+    batches: int
+    attempts: int
+    last_batch_at: datetime | None
+    completed_at: datetime | None
+    last_error: str | None
+
+
+def chunk_view(row: dict[str, Any]) -> ChunkView:
+    """A ``Ledger.chunk_rows`` row as the run page shows it."""
+    spec = ChunkSpec(
+        key=row["chunk_key"],
+        lo=row["lo"],
+        hi=row["hi"],
+        tenants=tuple(row["tenants"]) if row["tenants"] is not None else None,
+        seq=row["seq"],
+        rows_planned=row["rows_planned"],
+        partition=row["partition"],
+        partition_oid=row["partition_oid"],
+        action=row["action"],
+    )
+    return ChunkView(
+        chunk_key=row["chunk_key"],
+        seq=row["seq"],
+        range_label=spec.label(),
+        state=row["state"],
+        outcome=row["outcome"],
+        rows_planned=row["rows_planned"],
+        rows_deleted=int(row["rows_deleted"]),
+        rows_matched=int(row["rows_matched"]),
+        batches=int(row["batches"]),
+        attempts=int(row["attempts"]),
+        last_batch_at=row["last_batch_at"],
+        completed_at=row["completed_at"],
+        last_error=row["last_error"],
+    )
+
+
+@dataclass(frozen=True)
+class RunDetail:
+    """One run of a policy with its chunks (totals summed from the chunks)."""
+
+    policy: RetentionPolicy
+    summary: RunSummary
+    chunks: list[ChunkView]
+
+
+def load_run(policy: RetentionPolicy, run_key: str, *, dsn: str | None = None) -> RunDetail | None:
+    """The run ``run_key`` of ``policy`` with its chunks; None when the ledger has no such run of the policy.
+    Raises when the database or the ledger cannot be read (the page says so)."""
+    ledger = Ledger(policy.ledger_schema)
+    with ledger_session(target_for(policy, dsn)) as conn:
+        if ledger.version(conn) is None:
+            return None
+        run = ledger.get_run(conn, run_key)
+        if run is None or run["policy"] != policy.name:
+            return None
+        rows = ledger.chunk_rows(conn, run_key)
+        summary = summarize_run(run, rows, database_now(conn))
+    return RunDetail(policy, summary, [chunk_view(r) for r in rows])

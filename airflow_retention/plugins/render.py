@@ -1,0 +1,220 @@
+"""The view's HTML pages, built from :mod:`.data` values: every value from the ledger is escaped.
+
+Links between the view's pages are relative (the view may sit under a base URL or inside the UI's frame,
+whose sandbox keeps links from leaving it: the DAG is named, not linked). Cells carry ``data-field`` (and raw numbers in
+``data-value``) so that a test can read exactly what a user sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from html import escape
+from urllib.parse import urlencode
+
+from airflow_retention.cli.render import lag_text, rows_text
+from airflow_retention.cli.report import RunSummary
+from airflow_retention.cli.timefmt import short
+from airflow_retention.plugins.chart import runs_chart
+from airflow_retention.plugins.data import RUNS_IN_TABLE, ChunkView, PolicyPanel, PolicySet, RunDetail, dag_id
+
+STYLE = """
+:root { color-scheme: light; font-family: system-ui, sans-serif; font-size: 14px; color: #1f2328; }
+body { margin: 16px 24px; }
+h1 { font-size: 20px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 0 0 4px; }
+h3 { font-size: 14px; margin: 14px 0 6px; }
+.muted { color: #656d76; } a { color: #0b62c4; }
+section.policy { border: 1px solid #d0d7de; border-radius: 8px; padding: 12px 16px; margin: 16px 0; }
+table { border-collapse: collapse; width: 100%; }
+th, td { text-align: left; padding: 4px 8px; border-bottom: 1px solid #eaeef2; vertical-align: top; }
+td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
+td[data-field="range"], td[data-field="last_batch_at"], td[data-field="cutoff"] { white-space: nowrap; }
+.error { background: #fff1f0; border: 1px solid #f5c2c0; color: #8a1f17; padding: 8px 12px; border-radius: 6px; }
+.warning { background: #fff8e6; border: 1px solid #f0d58c; padding: 6px 10px; border-radius: 6px; margin: 4px 0; }
+.state-complete { color: #1a7f37; } .state-running, .state-planned { color: #9a6700; }
+code, pre { font-family: ui-monospace, monospace; font-size: 12.5px; background: #f6f8fa; padding: 2px 4px; }
+pre { padding: 8px; overflow-x: auto; white-space: pre-wrap; }
+svg.chart { max-width: 760px; } svg .axis { font-size: 11px; fill: #656d76; } svg .axis.lag { fill: #b5651d; }
+.legend span { margin-right: 16px; } .swatch { display: inline-block; width: 10px; height: 10px; }
+dl { display: grid; grid-template-columns: max-content auto; gap: 2px 16px; } dt { color: #656d76; }
+"""
+
+
+def page(title: str, body: str) -> str:
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>{escape(title)}</title><style>{STYLE}</style></head><body>{body}</body></html>"
+    )
+
+
+def run_link(policy_name: str, run_key: str) -> str:
+    """The run page of a run, relative to the view's root."""
+    return "run?" + urlencode({"policy": policy_name, "key": run_key})
+
+
+def _num(field: str, value: int, text: str | None = None) -> str:
+    return f'<td class="num" data-field="{field}" data-value="{value}">{escape(text or f"{value:,}")}</td>'
+
+
+def _cell(field: str, text: str, css: str = "") -> str:
+    cls = f' class="{css}"' if css else ""
+    return f'<td data-field="{field}"{cls}>{escape(text)}</td>'
+
+
+def _state(summary: RunSummary) -> str:
+    status = summary.status if summary.kind in ("planned", "lone") else f"{summary.status} (dry run)"
+    css = "state-complete" if summary.state == "complete" else ("state-running" if summary.running else "state-planned")
+    return _cell("state", status, css)
+
+
+def runs_table(policy_name: str, runs: Sequence[RunSummary]) -> str:
+    head = (
+        "<tr><th>cutoff</th><th>state</th><th class='num'>chunks done</th><th class='num'>rows deleted</th>"
+        "<th class='num'>duration</th><th class='num'>cleanup lag</th></tr>"
+    )
+    body = []
+    for run in runs:
+        lag = "" if run.cleanup_lag_seconds is None else f"{run.cleanup_lag_seconds:g}"
+        body.append(
+            f'<tr data-run-key="{escape(run.run_key)}">'
+            f'<td data-field="cutoff"><a href="{escape(run_link(policy_name, run.run_key))}">'
+            f"{escape(short(run.cutoff))}</a></td>"
+            f"{_state(run)}"
+            f'<td class="num" data-field="chunks" data-value="{run.chunks_complete}/{run.chunks_expected}">'
+            f"{run.chunks_complete}/{run.chunks_expected}</td>"
+            f"{_num('rows_deleted', run.rows_deleted, rows_text(run))}"
+            f'<td class="num" data-field="duration">{escape(run.duration_text())}</td>'
+            f'<td class="num" data-field="cleanup_lag" data-value="{lag}">{escape(lag_text(run))}</td>'
+            "</tr>"
+        )
+    return f'<table class="runs">{head}{"".join(body)}</table>'
+
+
+def missed_section(panel: PolicyPanel) -> str:
+    status = panel.status
+    assert status is not None
+    if not status.missed:
+        return '<h3>Missed days</h3><p class="muted" data-field="missed">None in the last 31 days.</p>'
+    items = "".join(
+        f'<li data-date="{m.anchor:%Y-%m-%d}">{m.anchor:%Y-%m-%d} (cutoff {escape(short(m.cutoff))})'
+        f"{'' if m.in_ledger else ' — never planned'}</li>"
+        for m in status.missed
+    )
+    return (
+        f"<h3>Missed days ({len(status.missed)})</h3><ul class='missed'>{items}</ul>"
+        f'<p>Run them with:</p><pre data-field="backfill">{escape(panel.backfill or "")}</pre>'
+    )
+
+
+def policy_section(panel: PolicyPanel) -> str:
+    p = panel.policy
+    head = (
+        f'<section class="policy" id="policy-{escape(p.name)}" data-policy="{escape(p.name)}">'
+        f"<h2>{escape(p.name)}</h2>"
+        f'<p class="muted">{escape(str(p.table))} · keep {escape(str(p.retention))} · schedule'
+        f" {escape(str(p.schedule))} · connection <code>{escape(p.conn_id)}</code> · ledger schema"
+        f" <code>{escape(p.ledger_schema)}</code> · DAG <code>{escape(panel.dag_id)}</code></p>"
+    )
+    if panel.error is not None:
+        return (
+            f'{head}<p class="error" role="alert" data-field="error">The ledger of {escape(p.name)} cannot be read'
+            f" through connection <code>{escape(p.conn_id)}</code>: {escape(panel.error)}</p></section>"
+        )
+    status = panel.status
+    assert status is not None
+    warnings = "".join(
+        f'<p class="warning" data-kind="{escape(w.kind)}">{escape(w.message)}</p>'
+        for w in status.warnings
+        if w.kind != "missed_run"  # the missed days have their own section, with the backfill
+    )
+    if not status.runs:
+        runs = '<p class="muted">No runs in the ledger yet.</p>'
+    else:
+        shown = status.runs[:RUNS_IN_TABLE]
+        runs = (
+            f"<h3>Rows deleted and cleanup lag, last {len(status.runs)} run(s)</h3>"
+            '<p class="legend muted"><span><span class="swatch" style="background:#4f7cac"></span> rows deleted</span>'
+            '<span><span class="swatch" style="background:#d9822b"></span> cleanup lag (oldest eligible row'
+            " left, at verification)</span></p>"
+            f"{runs_chart(status.runs)}"
+            f"<h3>Last {len(shown)} run(s)</h3>{runs_table(p.name, shown)}"
+        )
+    return f"{head}{warnings}{runs}{missed_section(panel)}</section>"
+
+
+def overview_page(policy_set: PolicySet, panels: Sequence[PolicyPanel], now: datetime) -> str:
+    problems = "".join(
+        f'<p class="warning" data-kind="policy_error">{escape(line)}</p>' for line in policy_set.problems
+    )
+    sections = "".join(policy_section(panel) for panel in panels)
+    if not panels and not problems:
+        sections = '<p class="muted">The policies file holds no policy (or none you may read).</p>'
+    body = (
+        "<h1>Retention</h1>"
+        f'<p class="muted">Policies from <code>{escape(str(policy_set.source))}</code> · as of'
+        f" {escape(short(now))}</p>{problems}{sections}"
+    )
+    return page("Retention", body)
+
+
+def _chunk_row(chunk: ChunkView) -> str:
+    rows = chunk.rows_deleted if chunk.outcome != "dry_run" else chunk.rows_matched
+    planned = "—" if chunk.rows_planned is None else f"{chunk.rows_planned:,}"
+    return (
+        f'<tr data-chunk-key="{escape(chunk.chunk_key)}">'
+        f"{_cell('seq', '' if chunk.seq is None else str(chunk.seq))}"
+        f"{_cell('range', chunk.range_label)}"
+        f"{_cell('state', chunk.state, 'state-' + chunk.state)}"
+        f"{_cell('outcome', chunk.outcome or '—')}"
+        f"{_num('rows_deleted', rows)}"
+        f'<td class="num" data-field="rows_planned">{planned}</td>'
+        f"{_num('batches', chunk.batches)}"
+        f"{_num('attempts', chunk.attempts)}"
+        f"{_cell('last_batch_at', short(chunk.last_batch_at))}"
+        f"{_cell('last_error', chunk.last_error or '')}"
+        "</tr>"
+    )
+
+
+def run_page(detail: RunDetail) -> str:
+    s = detail.summary
+    p = detail.policy
+    facts = [
+        ("policy", p.name),
+        ("DAG", dag_id(p)),
+        ("table", str(p.table)),
+        ("cutoff", short(s.cutoff)),
+        ("state", s.status),
+        ("chunks done", f"{s.chunks_complete}/{s.chunks_expected}"),
+        ("rows planned", f"{s.rows_planned:,}"),
+        ("rows deleted", rows_text(s)),
+        ("planned at", short(s.planned_at)),
+        ("verified at", short(s.completed_at)),
+        ("duration", s.duration_text()),
+        ("cleanup lag", lag_text(s)),
+    ]
+    dl = "".join(f'<dt>{escape(k)}</dt><dd data-field="{escape(k)}">{escape(v)}</dd>' for k, v in facts)
+    head = (
+        "<tr><th>#</th><th>range</th><th>state</th><th>outcome</th><th class='num'>rows</th>"
+        "<th class='num'>planned</th><th class='num'>batches</th><th class='num'>attempts</th>"
+        "<th>last batch</th><th>last error</th></tr>"
+    )
+    chunks = "".join(_chunk_row(c) for c in detail.chunks)
+    table = f'<table class="chunks">{head}{chunks}</table>' if detail.chunks else '<p class="muted">No chunks.</p>'
+    body = (
+        f'<p><a href="./#policy-{escape(p.name)}">← all policies</a></p>'
+        f"<h1>Run <code>{escape(s.run_key)}</code></h1><dl>{dl}</dl>"
+        f"<h3>Chunks ({len(detail.chunks)})</h3>{table}"
+    )
+    return page(f"Retention · {s.run_key}", body)
+
+
+def message_page(
+    title: str, message: str, *, link: tuple[str, str] | None = None, alert: bool = False, top: bool = False
+) -> str:
+    """A page that only says something: a run not found, a ledger that cannot be read, log in first.
+    ``top``: the link opens in the top window (the login page), not in the view's frame."""
+    css = ' class="error" role="alert"' if alert else ""
+    target = ' target="_top"' if top else ""
+    extra = f'<p><a href="{escape(link[0])}"{target}>{escape(link[1])}</a></p>' if link else ""
+    return page(title, f"<h1>{escape(title)}</h1><p{css}>{escape(message)}</p>{extra}")

@@ -1,0 +1,204 @@
+"""Pacing benchmark: batch transaction times through checkpoints, and the foreground's latency under each
+``max_duty_cycle``, side by side with one unbounded DELETE, in one run.
+
+    python benchmarks/pacing_benchmark.py [--rows N | --large] [--duty 1 0.5 0.25] [--checkpoint-every 2]
+                                          [--dsn DSN] [--json out.json]
+
+Uses the table, the copy before every run, the foreground load (500 single-row reads and writes a second
+on live rows, in a process of its own) and the transaction monitor of ``purge_benchmark.py``, in a
+database of its own (``retention_pacing_bench``). Each engine run is the planner and then its chunks on one
+worker, with the project's defaults (block chunks, adaptive batches aiming at ``target_batch_time``
+200 ms, chunks sized by time) and the given ``max_duty_cycle``. Per run it prints the wall time, rows/s
+and its ratio to the unbounded DELETE, the committed batch transactions' p50/p99/max in ms (measured by
+the engine around each batch transaction) and the max over the target, the batches the statement cap cut
+short, the longest writing transaction sampled from ``pg_stat_activity`` every 5 ms (cut batches
+included), the checkpoints that ran (``pg_stat_bgwriter``), and the foreground's p50/p99 against idle.
+
+Checkpoints: at 10,000,000 rows the purge writes about 1.8 GB of WAL, past Debian's default
+``max_wal_size`` of 1 GB, so checkpoints start mid-purge on their own. A smaller table (or a server with
+a larger ``max_wal_size``) sees none: ``--checkpoint-every S`` adds a run whose side connection issues
+``CHECKPOINT`` every S seconds, to simulate them (an immediate checkpoint, which no watch can foresee:
+that run shows the statement cap and the controller alone). The server's settings are never changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+from psycopg2.extensions import make_dsn
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH.parent))
+
+import purge_benchmark as pb  # noqa: E402
+
+from airflow_retention.core.engine import run_chunk  # noqa: E402
+from airflow_retention.core.planner import plan_run  # noqa: E402
+from airflow_retention.core.policy import RetentionPolicy, policy_to_dict  # noqa: E402
+from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
+
+DB = "retention_pacing_bench"
+
+
+def policy_with(**fields: Any) -> RetentionPolicy:
+    return RetentionPolicy.from_dict({**policy_to_dict(pb.bench_policy()), **fields})
+
+
+def checkpoints(conn: Any) -> int:
+    with conn.cursor() as cur:
+        cur.execute("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter")
+        return int(cur.fetchone()[0])
+
+
+class Checkpointer:
+    """A side connection that issues ``CHECKPOINT`` every ``every`` seconds while the purge runs."""
+
+    def __init__(self, dsn: str, every: float | None) -> None:
+        self.dsn, self.every = dsn, every
+        self.stop = threading.Event()
+        self.issued = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        conn = psycopg2.connect(self.dsn, application_name="bench-checkpoint")
+        conn.autocommit = True
+        while not self.stop.wait(self.every):
+            with conn.cursor() as cur:
+                cur.execute("CHECKPOINT")
+            self.issued += 1
+        conn.close()
+
+    def __enter__(self) -> Checkpointer:
+        if self.every:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.every:
+            self.thread.join()
+
+
+def engine(dsn: str, policy: RetentionPolicy, checkpoint_every: float | None = None) -> tuple[int, dict[str, Any]]:
+    """Plan, then run every chunk on one worker; the batch times come from the engine's reports."""
+    conn = psycopg2.connect(dsn)
+    admin = psycopg2.connect(dsn)
+    admin.autocommit = True
+    before = checkpoints(admin)
+    batch_ms: list[float] = []
+    totals = {"rows": 0, "cut": 0, "duty_s": 0.0}
+    with Checkpointer(dsn, checkpoint_every) as side:
+        plan = plan_run(conn, policy, pb.CUTOFF)
+        for chunk in plan.chunks:
+            result = run_chunk(conn, policy, plan.cutoff, chunk, on_batch=lambda b: batch_ms.append(b.ms))
+            totals["rows"] += result.rows_deleted
+            totals["cut"] += result.batches_cut
+            totals["duty_s"] += result.duty_seconds
+    ran = checkpoints(admin) - before
+    conn.close()
+    admin.close()
+    q = statistics.quantiles(batch_ms, n=100, method="inclusive") if len(batch_ms) > 1 else [batch_ms[0]] * 99
+    return int(totals["rows"]), {
+        "chunks": len(plan.chunks),
+        "chunk_count_why": plan.sizing.reason if plan.sizing else None,
+        "batches": len(batch_ms),
+        "batches_cut": totals["cut"],
+        "batch_p50_ms": round(q[49], 1),
+        "batch_p99_ms": round(q[98], 1),
+        "batch_max_ms": round(max(batch_ms), 1),
+        "checkpoints": ran,
+        "checkpoints_issued": side.issued,
+        "duty_pause_s": round(totals["duty_s"], 2),
+    }
+
+
+def print_table(rows: int, target_ms: int, idle: pb.Result, results: list[pb.Result]) -> None:
+    ref = results[0]
+    print()
+    print(
+        f"{rows:,} rows, {ref.rows:,} eligible; target_batch_time {target_ms} ms;"
+        f" foreground idle p50 {idle.fg_p50_ms:.2f} ms, p99 {idle.fg_p99_ms:.2f} ms"
+    )
+    print(
+        f"{'run':<44} {'s':>6} {'x(a)':>5} {'batches':>7} {'cut':>4} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}"
+        f" {'max/tgt':>7} {'txn ms':>7} {'ckpts':>5} {'fg p99':>7} {'p99/idle':>8}"
+    )
+    for r in results:
+        n = r.notes
+        batches = n.get("batches")
+        print(
+            f"{r.method:<44} {r.seconds:>6.1f} {ref.seconds / r.seconds:>5.2f}"
+            + (
+                f" {batches:>7} {n['batches_cut']:>4} {n['batch_p50_ms']:>7.0f} {n['batch_p99_ms']:>7.0f}"
+                f" {n['batch_max_ms']:>7.0f} {n['batch_max_ms'] / target_ms:>7.2f}"
+                if batches
+                else f" {'':>7} {'':>4} {'':>7} {'':>7} {'':>7} {'':>7}"
+            )
+            + f" {r.longest_txn_ms:>7.0f} {n.get('checkpoints', ''):>5} {r.fg_p99_ms:>7.2f}"
+            f" {r.fg_p99_ms / max(idle.fg_p99_ms, 1e-9):>8.1f}"
+        )
+    for r in results:
+        if r.notes.get("chunk_count_why"):
+            print(f"  {r.method}: {r.notes['chunks']} chunk(s): {r.notes['chunk_count_why']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--large", action="store_true", help="10,000,000 rows")
+    parser.add_argument("--duty", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="max_duty_cycle values")
+    parser.add_argument("--checkpoint-every", type=float, default=None, help="also run with CHECKPOINT every S seconds")
+    parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_pacing_bench' is recreated on it)")
+    parser.add_argument("--json", type=Path, default=BENCH / "results-pacing.json")
+    args = parser.parse_args(argv)
+    rows = 10_000_000 if args.large else args.rows
+    server = resolve_dsn(args.dsn)
+    admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
+    dsn = make_dsn(server, dbname=DB)
+    # The transaction monitor samples every 5 ms (not 20): the batches measured here last 200-400 ms.
+    pb.TxnMonitor.__init__.__defaults__ = (0.005,)
+    target_ms = policy_with().target_batch_ms
+    results: list[pb.Result] = []
+    try:
+        pb.build_template(dsn, rows)
+        idle = pb.measure(dsn, "idle (no purge)", lambda: (time.sleep(3), (0, {}))[1], purges=False)
+        runs: list[tuple[str, pb.Purge]] = [("a. unbounded DELETE", lambda: pb.unbounded(dsn))]
+        for duty in args.duty:
+            policy = policy_with(max_duty_cycle=duty)
+            runs.append((f"engine, max_duty_cycle {duty:g}", lambda p=policy: engine(dsn, p)))
+        if args.checkpoint_every:
+            runs.append(
+                (
+                    f"engine, duty 1, CHECKPOINT every {args.checkpoint_every:g} s",
+                    lambda: engine(dsn, policy_with(), args.checkpoint_every),
+                )
+            )
+        for name, purge in runs:
+            print(f"running {name} ...", flush=True)
+            results.append(pb.measure(dsn, name, purge))
+    finally:
+        admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+    print_table(rows, target_ms, idle, results)
+    args.json.write_text(
+        json.dumps(
+            {"rows": rows, "target_batch_ms": target_ms, "idle": asdict(idle), "results": [asdict(r) for r in results]},
+            indent=2,
+            default=str,
+        )
+    )
+    print(f"\nresults written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

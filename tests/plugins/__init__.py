@@ -1,0 +1,1 @@
+"""Tests of the Retention view (the Airflow UI plugin)."""

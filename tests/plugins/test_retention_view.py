@@ -1,0 +1,143 @@
+"""The Retention view in a real Airflow 3 api-server, through Debian's Chromium: it is refused without a
+login; logged in, Browse → Retention opens it inside the UI; the numbers it shows are the ledger's; a policy
+whose connection fails shows a message while the other still shows; a run opens on its chunks. Screenshots
+go to test-artifacts/."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import requests
+
+from tests.conftest import REPO
+from tests.deployment.harness import Deployment, budget
+
+from .helpers import CHUNK_ERROR, Seeded, ViewReader, ledger_chunks, ledger_runs
+
+if TYPE_CHECKING:
+    from playwright.sync_api import FrameLocator
+
+pytestmark = pytest.mark.scheduler
+
+ARTIFACTS = REPO / "test-artifacts"
+
+
+def read_frame(frame: FrameLocator, rows: str, count: int, timeout_s: float = budget(10)) -> ViewReader:
+    """The framed page once it shows ``count`` of ``rows``, read as a whole. The UI may reload its frame
+    once after the first load (it keeps the frame's address in its own), so the page is read again until
+    one reading holds every row."""
+    frame.locator(rows).nth(count - 1).wait_for(state="visible", timeout=timeout_s * 1000)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        view = ViewReader(frame.locator("html").evaluate("e => e.outerHTML"))
+        if len(view.rows) == count or time.monotonic() > deadline:
+            return view
+        time.sleep(0.2)
+
+
+def test_the_view_is_refused_without_a_login(view_deployment: Deployment) -> None:
+    url = f"{view_deployment.base_url}/retention/"
+    for cookies in ({}, {"_token": "not-a-token"}):
+        response = requests.get(url, cookies=cookies, timeout=30)
+        assert response.status_code == 401, (cookies, response.status_code, response.text[:300])
+        assert "Log in to Airflow" in response.text and "events_purge@" not in response.text
+    run = requests.get(f"{url}run", params={"policy": "events_purge", "key": "x"}, timeout=30)
+    assert run.status_code == 401
+    # An API client with a token is a logged-in user.
+    ok = requests.get(url, headers={"Authorization": f"Bearer {view_deployment.token()}"}, timeout=30)
+    assert ok.status_code == 200 and "events_purge@" in ok.text
+    assert ok.headers["Cache-Control"] == "no-store"
+
+
+def test_a_run_page_says_what_it_cannot_show(view_deployment: Deployment, view_seeded: Seeded) -> None:
+    url = f"{view_deployment.base_url}/retention/run"
+    headers = {"Authorization": f"Bearer {view_deployment.token()}"}
+
+    def get(policy: str, key: str) -> requests.Response:
+        return requests.get(url, params={"policy": policy, "key": key}, headers=headers, timeout=60)
+
+    assert get("events_purge", view_seeded.partial).status_code == 200
+    unknown_run = get("events_purge", "events_purge@1999-01-01T00:00:00Z")
+    assert unknown_run.status_code == 404 and "The ledger has no run" in unknown_run.text
+    assert get("no_such_policy", view_seeded.partial).status_code == 404
+    unreachable = get("unreachable", view_seeded.partial)
+    assert unreachable.status_code == 503 and "cannot connect to PostgreSQL" in unreachable.text
+
+
+def test_the_view_in_the_ui_shows_the_ledger(view_deployment: Deployment, view_seeded: Seeded, view_admin: Any) -> None:
+    from playwright.sync_api import sync_playwright
+
+    from tests.deployment.ui import launch_browser, login, new_page
+
+    base = view_deployment.base_url
+    ledger = view_seeded.policy.ledger_schema
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = launch_browser(p)
+        try:
+            page = new_page(browser, width=1400, height=1500)
+            login(page, base, "admin", view_deployment.admin_password)
+
+            # The navigation entry: Browse → Retention opens the view inside the UI.
+            page.goto(f"{base}/")
+            page.get_by_role("button", name="Browse").click()
+            page.get_by_role("menuitem", name="Retention").click()
+            page.wait_for_url(f"{base}/plugin/retention**")
+            frame = page.frame_locator('iframe[title="Retention"]')
+            view = read_frame(frame, "tr[data-run-key]", 4)
+
+            # The numbers shown are the ledger's.
+            expected = ledger_runs(view_admin, ledger)
+            assert set(view.rows) == set(expected) == {*view_seeded.complete, view_seeded.partial}
+            for key, want in expected.items():
+                shown = view.rows[key]
+                assert (shown["chunks"], int(shown["rows_deleted"])) == (want["chunks"], want["rows_deleted"]), key
+                assert view.bars[key] == want["rows_deleted"], key
+                lag = want["cleanup_lag"]
+                assert (shown["cleanup_lag"] == "") if lag is None else (float(shown["cleanup_lag"]) == lag), key
+            assert view.rows[view_seeded.partial]["state"] == "planned"
+            assert view.lag_points[view_seeded.partial] > 0
+            partial_row = frame.locator(f'tr[data-run-key="{view_seeded.partial}"]')
+            deleted = expected[view_seeded.partial]["rows_deleted"]
+            assert partial_row.locator('[data-field="rows_deleted"]').inner_text() == f"{deleted:,}"
+
+            # Missed days: the partial run's and yesterday's (and today's, once its hour of grace is over).
+            missed = frame.locator("ul.missed li")
+            days = [missed.nth(i).get_attribute("data-date") for i in range(missed.count())]
+            anchors = [f"{a:%Y-%m-%d}" for a in view_seeded.anchors]
+            today = f"{view_seeded.anchors[4] + timedelta(days=1):%Y-%m-%d}"
+            assert days in ([anchors[1], anchors[4]], [anchors[1], anchors[4], today]), days
+            backfill = frame.locator('pre[data-field="backfill"]').inner_text()
+            assert backfill == (
+                f"airflow backfill create --dag-id retention_events_purge --from-date {days[0]}T00:00:00Z"
+                f" --to-date {days[-1]}T00:00:00Z"
+            )
+
+            # The broken connection is a message; the other policy above still shows.
+            alert = frame.locator('section[data-policy="unreachable"] [role="alert"]')
+            assert "cannot connect to PostgreSQL" in alert.inner_text()
+            assert "retention_broken" in alert.inner_text()
+            page.screenshot(path=str(ARTIFACTS / "retention-view.png"), full_page=True)
+
+            # One run's chunks, from its cutoff's link.
+            partial_row.locator('[data-field="cutoff"] a').click()
+            chunks = ledger_chunks(view_admin, ledger, view_seeded.partial)
+            run_view = read_frame(frame, "tr[data-chunk-key]", len(chunks))
+            assert set(run_view.rows) == set(chunks)
+            for key, want in chunks.items():
+                shown = run_view.rows[key]
+                assert (shown["state"], int(shown["rows_deleted"]), int(shown["attempts"])) == (
+                    want["state"],
+                    want["rows_deleted"],
+                    want["attempts"],
+                ), key
+            assert run_view.rows[view_seeded.failing_chunk]["last_error"] == CHUNK_ERROR
+            assert "/plugin/retention/" in page.url  # the UI keeps the frame's page in its own address
+            page.screenshot(path=str(ARTIFACTS / "retention-view-run.png"), full_page=True)
+            frame.get_by_role("link", name="← all policies").click()
+            read_frame(frame, "tr[data-run-key]", 4)
+        finally:
+            browser.close()

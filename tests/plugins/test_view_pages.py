@@ -1,0 +1,153 @@
+"""The Retention view's data and pages against a real PostgreSQL ledger written by the core engine: the
+numbers shown are the ledger's, a policy whose connection fails gets a message while the others still show,
+and the view's sessions cannot write."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pytest
+
+from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.demo.postgres import airflow_connection_json
+from airflow_retention.plugins.data import PolicySet, ledger_session, load_panels, load_run
+from airflow_retention.plugins.render import overview_page, run_page
+
+from ..conftest import DSN
+from .helpers import CHUNK_ERROR, Seeded, ViewReader, ledger_chunks, ledger_runs, seed_runs, view_policy_data
+
+FIRST_ANCHOR = datetime(2024, 7, 1, tzinfo=timezone.utc)
+AS_OF = datetime(2024, 7, 6, 0, 30, tzinfo=timezone.utc)  # the 5th's run is due and missing
+SOURCE = Path("policies.yaml")
+
+
+@pytest.fixture
+def seeded(admin: Any, schema: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Seeded]:
+    # Both connections are looked up as Airflow would: from AIRFLOW_CONN_<ID>.
+    monkeypatch.setenv("AIRFLOW_CONN_VIEW_OK", airflow_connection_json(DSN))
+    monkeypatch.setenv("AIRFLOW_CONN_VIEW_BROKEN", "postgres://postgres@127.0.0.1:1/nowhere")
+    policy = RetentionPolicy.from_dict(view_policy_data(schema, "view_ok", FIRST_ANCHOR))
+    conn = psycopg2.connect(DSN)
+    try:
+        yield seed_runs(admin, conn, schema, policy, FIRST_ANCHOR)
+    finally:
+        conn.close()
+
+
+def broken_policy(schema: str) -> RetentionPolicy:
+    return RetentionPolicy.from_dict(view_policy_data(schema, "view_broken", FIRST_ANCHOR, name="unreachable"))
+
+
+def test_overview_shows_the_ledgers_numbers(seeded: Seeded, admin: Any, schema: str) -> None:
+    policy = seeded.policy
+    (panel,) = load_panels([policy], as_of=AS_OF)
+    assert panel.error is None and panel.status is not None
+    html = overview_page(PolicySet(SOURCE, [policy]), [panel], AS_OF)
+    view = ViewReader(html)
+
+    expected = ledger_runs(admin, policy.ledger_schema)
+    assert set(expected) == {*seeded.complete, seeded.partial}
+    assert set(view.rows) == set(expected)
+    for key, want in expected.items():
+        shown = view.rows[key]
+        assert shown["chunks"] == want["chunks"], key
+        assert int(shown["rows_deleted"]) == want["rows_deleted"], key
+        assert view.bars[key] == want["rows_deleted"], key
+        assert shown["cutoff"] == f"{want['cutoff'].astimezone(timezone.utc):%Y-%m-%d %H:%M:%S}Z"
+        if want["cleanup_lag"] is None:
+            assert shown["cleanup_lag"] == "" and key not in view.lag_points
+        else:
+            assert float(shown["cleanup_lag"]) == pytest.approx(want["cleanup_lag"])
+            assert view.lag_points[key] == pytest.approx(want["cleanup_lag"], rel=1e-5)
+    assert all(expected[k]["state"] == "complete" and view.rows[k]["state"] == "complete" for k in seeded.complete)
+    assert view.rows[seeded.partial]["state"] == "planned"
+    assert view.lag_points[seeded.partial] > 0  # rows were left eligible when it was measured
+    assert sum(view.bars.values()) > 0
+
+    # The second and the fifth day are missed; the backfill covers both, first to last.
+    assert [m.anchor for m in panel.status.missed] == [seeded.anchors[1], seeded.anchors[4]]
+    (backfill,) = view.texts["backfill"]
+    assert backfill == (
+        "airflow backfill create --dag-id retention_events_purge"
+        " --from-date 2024-07-02T00:00:00Z --to-date 2024-07-05T00:00:00Z"
+    )
+    assert f"chunk {seeded.failing_chunk} (pending): {CHUNK_ERROR}" in html
+
+
+def test_a_broken_connection_is_a_message_and_the_other_policies_still_show(seeded: Seeded, schema: str) -> None:
+    broken = broken_policy(schema)
+    undefined = RetentionPolicy.from_dict(view_policy_data(schema, "view_undefined", FIRST_ANCHOR, name="nowhere"))
+    panels = load_panels([broken, seeded.policy, undefined], as_of=AS_OF)
+    assert [p.policy.name for p in panels] == ["unreachable", "events_purge", "nowhere"]
+    assert panels[0].status is None and "cannot connect to PostgreSQL" in (panels[0].error or "")
+    assert panels[1].error is None and panels[1].status is not None and len(panels[1].status.runs) == 4
+    assert panels[2].status is None and "connection 'view_undefined' is not defined" in (panels[2].error or "")
+
+    view = ViewReader(overview_page(PolicySet(SOURCE, [p.policy for p in panels]), panels, AS_OF))
+    assert len(view.alerts) == 2
+    assert view.alerts[0].startswith("The ledger of unreachable cannot be read through connection view_broken:")
+    assert "127.0.0.1" in view.alerts[0] and "password" not in view.alerts[0]
+    assert len(view.rows) == 4  # the reachable policy's runs
+
+
+def test_a_ledger_that_cannot_be_read_is_a_message(seeded: Seeded, schema: str, admin: Any) -> None:
+    other = RetentionPolicy.from_dict(
+        {**view_policy_data(schema, "view_ok", FIRST_ANCHOR, name="elsewhere"), "ledger_schema": f"{schema}_gone"}
+    )
+    with admin.cursor() as cur:
+        cur.execute(f'CREATE SCHEMA "{schema}_gone"')
+        cur.execute(f'CREATE TABLE "{schema}_gone".ledger_version (version integer)')  # a broken ledger
+        cur.execute(f'INSERT INTO "{schema}_gone".ledger_version VALUES (4)')
+    try:
+        panels = load_panels([other, seeded.policy], as_of=AS_OF)
+    finally:
+        with admin.cursor() as cur:
+            cur.execute(f'DROP SCHEMA "{schema}_gone" CASCADE')
+    assert panels[0].status is None
+    assert f"cannot read the ledger in schema '{schema}_gone'" in (panels[0].error or "")
+    assert panels[1].status is not None and len(panels[1].status.runs) == 4
+
+
+def test_the_run_page_shows_each_chunk_as_the_ledger_has_it(seeded: Seeded, admin: Any) -> None:
+    policy = seeded.policy
+    detail = load_run(policy, seeded.partial)
+    assert detail is not None
+    view = ViewReader(run_page(detail))
+    expected = ledger_chunks(admin, policy.ledger_schema, seeded.partial)
+    assert set(view.rows) == set(expected) and len(expected) >= 3
+    for key, want in expected.items():
+        shown = view.rows[key]
+        assert shown["state"] == want["state"]
+        assert int(shown["rows_deleted"]) == want["rows_deleted"]
+        assert int(shown["attempts"]) == want["attempts"]
+        assert shown["last_error"] == (want["last_error"] or "")
+    assert view.rows[seeded.failing_chunk]["last_error"] == CHUNK_ERROR
+    done = sum(1 for c in expected.values() if c["state"] == "complete")
+    assert view.texts["chunks done"] == [f"{done}/{len(expected)}"]
+    assert view.texts["rows deleted"] == [f"{sum(c['rows_deleted'] for c in expected.values()):,}"]
+    ranges = [view.rows[k]["range"] for k in expected]
+    assert all(r.startswith("ids ") for r in ranges)  # the chunk's range as every other place writes it
+
+
+def test_an_unknown_run_or_another_policys_run_is_not_found(seeded: Seeded, schema: str) -> None:
+    assert load_run(seeded.policy, "events_purge@1999-01-01T00:00:00Z") is None
+    stranger = RetentionPolicy.from_dict(view_policy_data(schema, "view_ok", FIRST_ANCHOR, name="stranger"))
+    assert load_run(stranger, seeded.partial) is None
+    with pytest.raises(Exception, match="cannot connect to PostgreSQL"):
+        load_run(broken_policy(schema), seeded.partial)
+
+
+def test_the_views_sessions_cannot_write(seeded: Seeded) -> None:
+    from airflow_retention.cli.config import target_for
+
+    with ledger_session(target_for(seeded.policy, None)) as conn:
+        with conn.cursor() as cur, pytest.raises(psycopg2.errors.ReadOnlySqlTransaction):
+            cur.execute(f'DELETE FROM "{seeded.policy.ledger_schema}".runs')
+        conn.rollback()
+        with conn.cursor() as cur:
+            cur.execute("SHOW statement_timeout")
+            assert cur.fetchone()[0] == "15s"
