@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,17 @@ def schema(admin: Any) -> Iterator[str]:
     with admin.cursor() as cur:
         cur.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
         cur.execute(f'DROP SCHEMA IF EXISTS "{name}_ledger" CASCADE')
+
+
+@contextmanager
+def throwaway_database(prefix: str) -> Iterator[str]:
+    """A database of its own on the test server (``<prefix>_<random>``), dropped afterwards; yields its DSN."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    admin_execute(DSN, f'CREATE DATABASE "{name}"')
+    try:
+        yield make_dsn(DSN, dbname=name)
+    finally:
+        admin_execute(DSN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def connect(driver: str, dsn: str = DSN) -> Any:

@@ -10,7 +10,6 @@ budget; ``RETENTION_TEST_WAIT_LOG=FILE`` records each wait's time (the measured 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -19,13 +18,11 @@ from typing import Any
 import psycopg2
 import pytest
 import yaml
-from psycopg2.extensions import make_dsn
 
 from airflow_retention.core.cutoff import freeze_cutoff
 from airflow_retention.core.policy import RetentionPolicy, load_policies
-from airflow_retention.demo.postgres import admin_execute
 from airflow_retention.demo.seed import seed_examples
-from tests.conftest import DSN, REPO
+from tests.conftest import DSN, REPO, throwaway_database
 from tests.deployment.harness import Deployment, DeploymentTimeout
 
 TODAY = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
@@ -100,10 +97,8 @@ def policies_yaml(path: Path) -> Path:
 
 @pytest.fixture(scope="package")
 def target_dsn() -> Iterator[str]:
-    name = f"retention_target_{uuid.uuid4().hex[:8]}"
-    admin_execute(DSN, f'CREATE DATABASE "{name}"')
-    yield make_dsn(DSN, dbname=name)
-    admin_execute(DSN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with throwaway_database("retention_target") as dsn:
+        yield dsn
 
 
 @pytest.fixture(scope="package")

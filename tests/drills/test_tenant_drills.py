@@ -22,6 +22,7 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger import ChunkSpec, Ledger
 from airflow_retention.core.planner import plan_run
 from airflow_retention.core.verify import verify_run
+from tests.conftest import connect
 from tests.core.helpers import CUTOFF, ledger_chunk, rows, scalar, wait_for
 from tests.core.tenant_helpers import (
     WORKER_APPLICATION,
@@ -78,7 +79,7 @@ def test_a_worker_killed_before_its_commit_leaves_nothing(
     plan = plan_run(conn, policy, CUTOFF)
     (chunk,) = plan.chunks
     # Hold one eligible row of the first batch's blocks: the worker's DELETE waits for it, uncommitted.
-    holder = connect_like(dsn)
+    holder = connect("psycopg2", dsn)
     try:
         with holder.cursor() as cur:
             cur.execute(
@@ -234,12 +235,6 @@ def test_malformed_rows_reach_a_dead_letter_with_their_context(schema: str, conn
     assert {t: n for t, n in counts.items() if t != "5"} == {t: n for t, n in expected.items() if t != "5"}
     verification = verify_run(conn, Ledger(policy.ledger_schema), plan.run_key, [c.key for c in plan.chunks])
     assert not verification.ok and "tenant 5 left: raised by a trigger" in verification.describe()
-
-
-def connect_like(dsn: str) -> Any:
-    import psycopg2
-
-    return psycopg2.connect(dsn)
 
 
 def worker_backends(admin: Any, *, waiting: bool = True) -> int:

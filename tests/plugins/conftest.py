@@ -4,7 +4,6 @@ whose connection points nowhere."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -13,11 +12,9 @@ from typing import Any
 import psycopg2
 import pytest
 import yaml
-from psycopg2.extensions import make_dsn
 
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.demo.postgres import admin_execute
-from tests.conftest import DSN
+from tests.conftest import DSN, throwaway_database
 from tests.deployment.harness import Deployment
 
 from .helpers import Seeded, seed_runs, view_policy_data
@@ -44,10 +41,8 @@ class ApiServerOnly(Deployment):
 
 @pytest.fixture(scope="module")
 def view_target() -> Iterator[str]:
-    name = f"retention_view_{uuid.uuid4().hex[:8]}"
-    admin_execute(DSN, f'CREATE DATABASE "{name}"')
-    yield make_dsn(DSN, dbname=name)
-    admin_execute(DSN, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with throwaway_database("retention_view") as dsn:
+        yield dsn
 
 
 @pytest.fixture(scope="module")
