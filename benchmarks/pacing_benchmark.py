@@ -24,7 +24,6 @@ that run shows the statement cap and the controller alone). The server's setting
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -189,14 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
     print_table(rows, target_ms, idle, results)
-    args.json.write_text(
-        json.dumps(
-            {"rows": rows, "target_batch_ms": target_ms, "idle": asdict(idle), "results": [asdict(r) for r in results]},
-            indent=2,
-            default=str,
-        )
+    pb.write_json(
+        args.json,
+        {"rows": rows, "target_batch_ms": target_ms, "idle": asdict(idle), "results": [asdict(r) for r in results]},
     )
-    print(f"\nresults written to {args.json}")
     return 0
 
 

@@ -360,15 +360,16 @@ def engine(
     }
 
 
-def ledger_totals(dsn: str) -> dict[str, Any]:
-    """What the ledger says about the (single) bench run: rows, chunks, the largest batch size."""
+def ledger_totals(dsn: str, cutoff: datetime = CUTOFF) -> dict[str, Any]:
+    """What the ledger says about the bench run at ``cutoff``: rows, chunks, the largest batch size."""
     conn = psycopg2.connect(dsn)
     with conn.cursor() as cur:
         cur.execute(
             "SELECT r.rows_deleted, r.chunks_expected, r.state,"
             " max(c.last_batch_size), count(*) FILTER (WHERE c.state = 'complete')"
             " FROM bench_ledger.runs r LEFT JOIN bench_ledger.chunks c USING (run_key)"
-            " GROUP BY r.run_key, r.rows_deleted, r.chunks_expected, r.state"
+            " WHERE r.cutoff = %s GROUP BY r.run_key, r.rows_deleted, r.chunks_expected, r.state",
+            (cutoff,),
         )
         rows, chunks, state, max_size, complete = cur.fetchone()
     conn.close()
@@ -449,11 +450,14 @@ class Scheduler:
     def __exit__(self, *exc: object) -> None:
         self.deployment.__exit__(None, None, None)
 
-    def purge(self, dag_id: str) -> tuple[int, dict[str, Any]]:
+    def purge(self, dag_id: str, run_date: datetime = RUN_DATE) -> tuple[int, dict[str, Any]]:
+        """Trigger one run of ``dag_id`` for ``run_date`` (cutoff a day before), wait for it, measure it,
+        then delete the DAG run (not its ledger rows), so that the same date can run again."""
         d = self.deployment
         self.runs += 1
         run_id = f"bench_{self.runs}"
-        d.api("POST", f"/dags/{dag_id}/dagRuns", json={"dag_run_id": run_id, "logical_date": RUN_DATE.isoformat()})
+        cutoff = run_date - (RUN_DATE - CUTOFF)
+        d.api("POST", f"/dags/{dag_id}/dagRuns", json={"dag_run_id": run_id, "logical_date": run_date.isoformat()})
 
         def finished() -> dict[str, Any] | None:
             run = d.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}")
@@ -463,13 +467,14 @@ class Scheduler:
         if run["state"] != "success":
             raise AssertionError(f"bench DAG run {run_id} failed; logs in {d.home}")
         tis = d.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 1000})
-        fixed = fixed_cost(run, tis["task_instances"], deleting_seconds(d.target_dsn))
+        fixed = fixed_cost(run, tis["task_instances"], deleting_seconds(d.target_dsn, cutoff))
         plan = next(t for t in tis["task_instances"] if t["task_id"].endswith(".plan"))
         xcom = d.api("GET", f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{plan['task_id']}/xcomEntries/run")
         value = xcom["value"]
         planner = float((json.loads(value) if isinstance(value, str) else value)["planning_seconds"])
-        seconds = (_instant(run["end_date"]) - _instant(run["start_date"])).total_seconds()
-        totals = ledger_totals(d.target_dsn)
+        # From the trigger (the run's creation), as a DELETE is timed from its sending.
+        seconds = fixed["whole"]
+        totals = ledger_totals(d.target_dsn, cutoff)
         # One run per logical date and DAG: the next measurement re-runs the same date.
         d.api("DELETE", f"/dags/{dag_id}/dagRuns/{run_id}")
         return totals["rows"], {
@@ -487,14 +492,16 @@ def _instant(text: str) -> datetime:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-def deleting_seconds(dsn: str) -> float:
-    """Wall seconds during which at least one chunk of the (single) bench run was at work, by the
+def deleting_seconds(dsn: str, cutoff: datetime = CUTOFF) -> float:
+    """Wall seconds during which at least one chunk of the bench run at ``cutoff`` was at work, by the
     ledger (each chunk from its first start to its completion): the union of those intervals."""
     conn = psycopg2.connect(dsn)
     with conn.cursor() as cur:
         cur.execute(
-            "SELECT first_started_at, completed_at FROM bench_ledger.chunks"
-            " WHERE first_started_at IS NOT NULL AND completed_at IS NOT NULL ORDER BY first_started_at"
+            "SELECT c.first_started_at, c.completed_at FROM bench_ledger.chunks c JOIN bench_ledger.runs r"
+            " USING (run_key) WHERE r.cutoff = %s AND c.first_started_at IS NOT NULL"
+            " AND c.completed_at IS NOT NULL ORDER BY c.first_started_at",
+            (cutoff,),
         )
         spans = cur.fetchall()
     conn.close()
@@ -607,14 +614,14 @@ def slopes(rows: int, results: list[Result], other: dict[str, Any], project_rows
     return lines
 
 
-def print_slopes(lines: list[dict[str, Any]], source: Path) -> None:
+def print_slopes(lines: list[dict[str, Any]], source: Path | str) -> None:
     """Seconds at both sizes, the slope per million eligible rows and the projection, times of (a)."""
     if not lines:
         return
     small, large = lines[0]["rows"]
     print()
     print(
-        f"time as a line in the eligible rows, through {small:,} and {large:,} rows (the other run: {source});"
+        f"time as a line in the eligible rows, through {small:,} and {large:,} rows ({source});"
         f" projected to {lines[0]['projected_rows']:,} rows ({lines[0]['projected_eligible']:,} eligible)"
     )
     print(
@@ -664,6 +671,13 @@ def planner_memory(dsn: str, sizes: list[int]) -> list[dict[str, Any]]:
                 }
             )
     return out
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """A benchmark's numbers as JSON (datetimes as text), and where they went."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))
+    print(f"\nresults written to {path}")
 
 
 def build_template(dsn: str, rows: int, clustered: bool = False) -> None:
@@ -794,27 +808,22 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, idle, results, args.clustered)
     print_fixed_costs(results)
     lines = slopes(rows, results, json.loads(args.compare.read_text()), args.project_rows) if args.compare else []
-    print_slopes(lines, args.compare)
+    print_slopes(lines, f"the other run: {args.compare}")
     for m in memory:
         print(
             f"planner memory: {m['rows']:>12,} rows, {m['chunks_by']:>6} chunks:"
             f" {m['chunks']:>4} chunks, peak {m['peak_kib']:>8,.1f} KiB, {m['seconds']:.2f} s"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps(
-            {
-                "rows": rows,
-                "idle": asdict(idle),
-                "results": [asdict(r) for r in results],
-                "planner_memory": memory,
-                "slopes": lines,
-            },
-            indent=2,
-            default=str,
-        )
+    write_json(
+        args.json,
+        {
+            "rows": rows,
+            "idle": asdict(idle),
+            "results": [asdict(r) for r in results],
+            "planner_memory": memory,
+            "slopes": lines,
+        },
     )
-    print(f"\nresults written to {args.json}")
     return 1 if failed else 0
 
 

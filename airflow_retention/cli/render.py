@@ -51,7 +51,8 @@ def rows_text(run: RunSummary) -> str:
 
 def lag_text(run: RunSummary) -> str:
     if run.cleanup_lag_seconds is None:
-        return "—"
+        # A large run leaves the walk to the next run's planning (core/verify.py, lag_left_to_next_run).
+        return "at next run" if run.state == "complete" and run.kind in ("planned", "dry-run") else "—"
     text = human_seconds(run.cleanup_lag_seconds)
     return f"{text}, {run.eligible_left:,} left" if run.eligible_left else text
 

@@ -399,6 +399,36 @@ class Ledger:
                 {"k": run_key, "o": oldest, "n": left, "lag": lag_seconds},
             )
 
+    def lag_pending(self, conn: Any, policy: str, dry_run: bool) -> dict[str, Any] | None:
+        """The policy's latest complete planned run (of this mode) when its cleanup lag is not measured
+        yet; None when it is, or when there is no such run."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT {_RUN_COLUMNS} FROM {self.s}.runs WHERE policy = %(p)s AND dry_run = %(d)s"
+            " AND state = 'complete' AND run_key NOT LIKE '%%#lone' ORDER BY completed_at DESC NULLS LAST LIMIT 1",
+            {"p": policy, "d": dry_run},
+        )
+        run = dict(zip(_RUN_FIELDS, rows[0], strict=True)) if rows else None
+        return run if run is not None and run["lag_measured_at"] is None else None
+
+    def lag_window_start(
+        self, conn: Any, policy: str, dry_run: bool, run_key: str, cutoff: datetime
+    ) -> datetime | None:
+        """Where the walk for the cleanup lag of ``run_key`` may start: the earliest of the cutoff, the
+        tenants' cutoffs and the oldest row left of the policy's latest earlier run whose lag was
+        measured. Every row older than that was eligible when that run was measured, so it was deleted
+        or counted then. None (walk from the oldest row) without such a run."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT least(r.cutoff, r.oldest_eligible_at,"
+            f"             (SELECT min(t.cutoff) FROM {self.s}.tenant_cutoffs t WHERE t.run_key = r.run_key))"
+            f" FROM {self.s}.runs r WHERE r.policy = %(p)s AND r.dry_run = %(d)s AND r.state = 'complete'"
+            " AND r.lag_measured_at IS NOT NULL AND r.run_key <> %(k)s AND r.run_key NOT LIKE '%%#lone'"
+            " AND r.cutoff <= %(c)s::timestamptz ORDER BY r.cutoff DESC, r.completed_at DESC LIMIT 1",
+            {"p": policy, "d": dry_run, "k": run_key, "c": cutoff},
+        )
+        return rows[0][0] if rows else None
+
     def record_vacuum(self, conn: Any, run_key: str) -> None:
         with dbapi.transaction(conn) as cur:
             cur.execute(f"UPDATE {self.s}.runs SET vacuumed_at = now() WHERE run_key = %(k)s", {"k": run_key})

@@ -13,7 +13,14 @@ from airflow_retention.core.engine import BatchReport, ChunkResult, run_chunk
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
 from airflow_retention.core.planner import Plan, plan_run
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import Leftovers, Verification, measure_leftovers, vacuum_table, verify_run
+from airflow_retention.core.verify import (
+    Leftovers,
+    Verification,
+    measure_leftovers,
+    measure_pending_lag,
+    vacuum_table,
+    verify_run,
+)
 
 
 class RetentionHook(PostgresHook):
@@ -65,9 +72,17 @@ class RetentionHook(PostgresHook):
         with self.open_connection() as conn:
             return self.ledger.complete_run(conn, run_key, verified_by)
 
-    def measure_leftovers(self, run_key: str, cutoff: datetime) -> Leftovers:
+    def measure_leftovers(self, run_key: str, cutoff: datetime, *, timeout_ms: int | None = None) -> Leftovers:
+        """The run's cleanup lag over its lag window, recorded on its ledger row."""
         with self.open_connection() as conn:
-            return measure_leftovers(conn, self.policy, cutoff, ledger=self.ledger, run_key=run_key)
+            return measure_leftovers(
+                conn, self.policy, cutoff, ledger=self.ledger, run_key=run_key, windowed=True, timeout_ms=timeout_ms
+            )
+
+    def measure_pending_lag(self) -> tuple[dict[str, Any], Leftovers] | None:
+        """The cleanup lag of the policy's latest complete run, when its verify left it to later."""
+        with self.open_connection() as conn:
+            return measure_pending_lag(conn, self.policy, self.ledger)
 
     def vacuum(self, run_key: str) -> None:
         with self.open_connection() as conn:

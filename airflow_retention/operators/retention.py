@@ -19,6 +19,7 @@ from airflow_retention.core.errors import PermanentError, PolicyError
 from airflow_retention.core.ledger import Attempt, ChunkSpec
 from airflow_retention.core.planner import chunk_key as make_chunk_key
 from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.verify import Leftovers
 from airflow_retention.hooks.retention import RetentionHook
 
 if TYPE_CHECKING:
@@ -78,6 +79,21 @@ def outcome_text(result: ChunkResult, *, dry_run: bool, chunk_rows_deleted: int 
     return f"{result.rows_deleted:,} deleted{archived}"
 
 
+def report_lag(log: Any, policy: RetentionPolicy, run_key: str, cutoff: datetime, leftovers: Leftovers) -> None:
+    """Send a run's measured cleanup lag as metrics and say it in the task log (a warning when rows are
+    left)."""
+    metrics.cleanup_lag(policy, leftovers.lag_seconds, leftovers.count)
+    if leftovers.count and not policy.dry_run:
+        log.warning(
+            "run %s: %s. Rows of tenants deferred by max_rows_per_tenant, or inserted or reopened with old"
+            " timestamps after planning, are left; the next run picks them up",
+            run_key,
+            leftovers.describe(cutoff),
+        )
+    else:
+        log.info("run %s: %s", run_key, leftovers.describe(cutoff))
+
+
 def fail_fast(exc: Exception) -> AirflowFailException:
     """A problem no retry can fix fails the task at once, with the core's message."""
     return AirflowFailException(str(exc))
@@ -110,6 +126,7 @@ class RetentionPlanOperator(BaseOperator):
     def execute(self, context: Context) -> list[dict[str, Any]]:
         limit = conf.getint("core", "max_map_length", fallback=1024)
         max_chunks = min(self.max_chunks or limit, limit)
+        self._measure_previous_lag()
         try:
             cutoff = cutoff_from_context(self.policy, context)
             self.log.info(
@@ -147,6 +164,19 @@ class RetentionPlanOperator(BaseOperator):
             },
         )
         return plan.expand_kwargs()
+
+    def _measure_previous_lag(self) -> None:
+        """Before this run deletes anything: the cleanup lag of the policy's previous run, when its verify
+        left it to now (a large purge). A failure here is logged and does not hold up the run."""
+        try:
+            found = self.hook.measure_pending_lag()
+        except Exception:
+            self.log.warning("could not measure the cleanup lag of the previous run", exc_info=True)
+            return
+        if found is not None:
+            run, leftovers = found
+            self.log.info("the cleanup lag of the previous run %s, left to this run's planning:", run["run_key"])
+            report_lag(self.log, self.policy, run["run_key"], run["cutoff"], leftovers)
 
 
 class RetentionChunkOperator(BaseOperator):
@@ -350,4 +380,12 @@ class RetentionVacuumOperator(BaseOperator):
             self.hook.vacuum(run_key)
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc
+        if run["lag_measured_at"] is None:
+            # VACUUM removed the deleted rows' index entries: the walk the verify left is cheap now.
+            try:
+                leftovers = self.hook.measure_leftovers(run_key, run["cutoff"])
+            except Exception:
+                self.log.warning("could not measure the cleanup lag of run %s after VACUUM", run_key, exc_info=True)
+            else:
+                report_lag(self.log, self.policy, run_key, run["cutoff"], leftovers)
         return {"vacuumed": True, "rows_deleted": deleted}

@@ -9,15 +9,25 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
-from airflow_retention import metrics
 from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
 from airflow_retention.core.cutoff import parse_cutoff
+from airflow_retention.core.errors import RetryableError
 from airflow_retention.core.inflight import chunks_still_writing
 from airflow_retention.core.ledger import ChunkSpec
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
-from airflow_retention.core.verify import MISSED_RUNS_WINDOW, missed_runs
+from airflow_retention.core.verify import (
+    LAG_AT_VERIFY_TIMEOUT_MS,
+    MISSED_RUNS_WINDOW,
+    lag_left_to_next_run,
+    missed_runs,
+)
 from airflow_retention.hooks.retention import RetentionHook
-from airflow_retention.operators.retention import RUN_XCOM_KEY, anchor_from_context, attempt_from_context
+from airflow_retention.operators.retention import (
+    RUN_XCOM_KEY,
+    anchor_from_context,
+    attempt_from_context,
+    report_lag,
+)
 from airflow_retention.triggers.retention import RetentionCompleteTrigger
 
 if TYPE_CHECKING:
@@ -174,7 +184,7 @@ class RetentionCompleteSensor(BaseSensorOperator):
             done = "would be deleted (dry run)" if self.policy.dry_run else "deleted"
             outcome = f"{run['chunks_completed']} chunk(s) complete, {rows:,} row(s) {done} at cutoff {cutoff}"
         self.log.info("run %s: %s; %.1f s since planning", run_key, outcome, duration)
-        self._report_leftovers(context, run_key)
+        self._report_leftovers(context, run)
         self._report_missed_runs(context)
         return {
             "run_key": run_key,
@@ -207,25 +217,32 @@ class RetentionCompleteSensor(BaseSensorOperator):
         more = " …" if len(labels) > LABELS_SHOWN else ""
         return f" (in the UI: {', '.join(labels[:LABELS_SHOWN])}{more})"
 
-    def _report_leftovers(self, context: Context, run_key: str) -> None:
+    def _report_leftovers(self, context: Context, run: dict[str, Any]) -> None:
         """Measure the cleanup lag (the oldest eligible row left before the cutoff), store it on the run's
-        ledger row and send it as a metric; a run that leaves eligible rows behind says so."""
+        ledger row and send it as a metric; a run that leaves eligible rows behind says so. After a large
+        purge the walk would pass every row just deleted: the next run measures it when it plans."""
+        run_key = run["run_key"]
+        why_later = lag_left_to_next_run(run)
+        if why_later is not None:
+            self.log.info("run %s: cleanup lag left to the next run's planning: %s", run_key, why_later)
+            return
         try:
             cutoff = parse_cutoff(self._info(context)["cutoff"])
-            leftovers = self.hook.measure_leftovers(run_key, cutoff)
+            leftovers = self.hook.measure_leftovers(run_key, cutoff, timeout_ms=LAG_AT_VERIFY_TIMEOUT_MS)
+        except RetryableError as exc:
+            if exc.sqlstate != "57014":
+                self.log.warning("could not measure the cleanup lag of run %s", run_key, exc_info=True)
+                return
+            self.log.info(
+                "run %s: measuring the cleanup lag took over %d ms; the next run measures it when it plans",
+                run_key,
+                LAG_AT_VERIFY_TIMEOUT_MS,
+            )
+            return
         except Exception:
             self.log.warning("could not measure the cleanup lag of run %s", run_key, exc_info=True)
             return
-        metrics.cleanup_lag(self.policy, leftovers.lag_seconds, leftovers.count)
-        if leftovers.count and not self.policy.dry_run:
-            self.log.warning(
-                "run %s: %s. Rows inserted or reopened with old timestamps after planning, or rows of chunks"
-                " that failed, are left; the next run picks them up",
-                run_key,
-                leftovers.describe(cutoff),
-            )
-        else:
-            self.log.info("run %s: %s", run_key, leftovers.describe(cutoff))
+        report_lag(self.log, self.policy, run_key, cutoff, leftovers)
 
     def _report_missed_runs(self, context: Context) -> None:
         """Say in words which scheduled runs of the last 31 days never completed: days missed while the

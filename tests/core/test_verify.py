@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.planner import plan_run
-from airflow_retention.core.verify import verify_run
+from airflow_retention.core.verify import (
+    LAG_AT_VERIFY_ROWS,
+    lag_left_to_next_run,
+    measure_leftovers,
+    measure_pending_lag,
+    verify_run,
+)
 
 from .helpers import CUTOFF, create_events, fill_events, ledger_chunks, make_policy, rows
 
@@ -128,3 +134,88 @@ def test_scheduled_anchors_accept_pendulum_and_other_zones() -> None:
     end = pendulum.datetime(2026, 3, 3, tz="UTC")
     days = scheduled_anchors("@daily", start, end)
     assert days == [datetime(2026, 3, d, tzinfo=timezone.utc) for d in (1, 2, 3)]
+
+
+def _events(admin: Any, schema: str) -> tuple[str, Any, Ledger]:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 2000)
+    policy = make_policy(schema, chunk_rows=300)
+    return table, policy, Ledger(policy.ledger_schema)
+
+
+def _purged(conn: Any, policy: Any, cutoff: datetime) -> str:
+    """Plan, purge and mark complete a run at ``cutoff``, as the DAG does; its lag is not measured."""
+    plan = plan_run(conn, policy, cutoff)
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, cutoff, chunk)
+    Ledger(policy.ledger_schema).complete_run(conn, plan.run_key, "test")
+    return plan.run_key
+
+
+def _reopen(admin: Any, table: str, where: str, params: dict[str, Any]) -> tuple[int, datetime]:
+    """Make one held-back ('open') row matching ``where`` eligible, as an application closing it after
+    its chunk went by; returns its id and timestamp."""
+    return rows(
+        admin,
+        f"UPDATE {table} SET status = 'closed' WHERE id = (SELECT min(id) FROM {table}"
+        f" WHERE status = 'open' AND {where}) RETURNING id, created_at",
+        params,
+    )[0]
+
+
+def test_the_lag_window_starts_where_the_previous_measured_run_left_off(schema: str, conn: Any, admin: Any) -> None:
+    table, policy, ledger = _events(admin, schema)
+    earlier = CUTOFF - timedelta(hours=10)
+
+    first = _purged(conn, policy, earlier)
+    measured = measure_leftovers(conn, policy, earlier, ledger=ledger, run_key=first, windowed=True)
+    assert (measured.count, measured.since) == (0, None)  # no earlier measured run: from the oldest row
+
+    second = _purged(conn, policy, CUTOFF)
+    _, before_window = _reopen(admin, table, "created_at < %(c)s", {"c": earlier})
+    _, in_window = _reopen(admin, table, "created_at >= %(c)s AND created_at < %(d)s", {"c": earlier, "d": CUTOFF})
+    everything = measure_leftovers(conn, policy, CUTOFF, ledger=ledger, run_key=second, record=False)
+    assert (everything.count, everything.oldest) == (2, before_window)
+    windowed = measure_leftovers(conn, policy, CUTOFF, ledger=ledger, run_key=second, windowed=True)
+    # A row older than the window was eligible at the first run's measurement: only a row made eligible
+    # since (reopened) can be there, and the next run deletes it; the walk starts at the earlier cutoff.
+    assert (windowed.count, windowed.oldest, windowed.since) == (1, in_window, earlier)
+    assert "rows from" in windowed.describe(CUTOFF)
+    recorded = ledger.get_run(conn, second)
+    assert recorded is not None and (recorded["eligible_left"], recorded["oldest_eligible_at"]) == (1, in_window)
+
+    # A measured run that left rows moves the window back to its oldest row left.
+    later = CUTOFF + timedelta(hours=5)
+    assert ledger.lag_window_start(conn, policy.name, False, "a later run", later) == in_window
+
+
+def test_the_next_run_measures_the_lag_a_large_run_left_to_it(schema: str, conn: Any, admin: Any) -> None:
+    table, policy, ledger = _events(admin, schema)
+    earlier = CUTOFF - timedelta(hours=10)
+    assert measure_pending_lag(conn, policy, ledger) is None  # no ledger yet
+
+    first = _purged(conn, policy, earlier)
+    run = ledger.get_run(conn, first)
+    assert run is not None and run["lag_measured_at"] is None
+    _, left = _reopen(admin, table, "created_at < %(c)s", {"c": earlier})
+
+    found = measure_pending_lag(conn, policy, ledger)
+    assert found is not None
+    pending, leftovers = found
+    assert pending["run_key"] == first
+    assert (leftovers.count, leftovers.oldest, leftovers.since) == (1, left, None)
+    run = ledger.get_run(conn, first)
+    assert run is not None and run["lag_measured_at"] is not None and run["eligible_left"] == 1
+    assert measure_pending_lag(conn, policy, ledger) is None  # measured once
+
+    second = _purged(conn, policy, CUTOFF)
+    found = measure_pending_lag(conn, policy, ledger)
+    assert found is not None and found[0]["run_key"] == second
+    assert (found[1].count, found[1].since) == (0, left)  # the first run's row left starts the window
+
+
+def test_a_run_that_deleted_many_rows_leaves_its_lag_to_the_next_run() -> None:
+    assert lag_left_to_next_run({"rows_deleted": LAG_AT_VERIFY_ROWS}) is None
+    assert lag_left_to_next_run({"rows_deleted": None}) is None  # a dry run deletes nothing
+    why = lag_left_to_next_run({"rows_deleted": LAG_AT_VERIFY_ROWS + 1})
+    assert why is not None and f"{LAG_AT_VERIFY_ROWS + 1:,} rows" in why and "VACUUM" in why

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from airflow_retention.core import verify
 from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import load_policies
@@ -124,6 +125,32 @@ def test_the_verify_task_stores_the_cleanup_lag(target: Any) -> None:
     assert left > 0
     assert (dry["eligible_left"], dry["oldest_eligible_at"]) == (left, oldest)
     assert dry["cleanup_lag_seconds"] == pytest.approx((cutoff - oldest).total_seconds())
+
+
+def test_a_large_run_leaves_its_cleanup_lag_to_the_next_runs_planning(target: Any, monkeypatch: Any) -> None:
+    # Every run that deletes a row counts as large here (the threshold is 200,000 rows).
+    monkeypatch.setattr(verify, "LAG_AT_VERIFY_ROWS", 0)
+    dag = load_dag("retention_t_orders")
+    first_day, next_day = "2026-02-05", "2026-02-06"
+    assert dag.test(logical_date=utc(first_day)).state == "success"
+    first = ledger_run(target, "t_orders", first_day)
+    assert first["rows_deleted"] > 0 and first["lag_measured_at"] is None
+    # Closed after its chunk went by: eligible, left by the first run, deleted by the next one.
+    cutoff = freeze_cutoff(policy("t_orders"), utc(first_day))
+    ((reopened_id, reopened),) = query(
+        target,
+        "UPDATE airflow_t.orders SET status = 'closed' WHERE id = (SELECT min(id) FROM airflow_t.orders"
+        " WHERE status = 'open' AND created_at < %s) RETURNING id, created_at",
+        (cutoff,),
+    )
+
+    assert dag.test(logical_date=utc(next_day)).state == "success"
+    first = ledger_run(target, "t_orders", first_day)
+    assert first["lag_measured_at"] is not None
+    assert first["lag_measured_at"] < ledger_run(target, "t_orders", next_day)["planned_at"]
+    assert (first["eligible_left"], first["oldest_eligible_at"]) == (1, reopened)
+    assert first["cleanup_lag_seconds"] == pytest.approx((cutoff - reopened).total_seconds())
+    assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE id = %s", (reopened_id,)) == [(0,)]
 
 
 def test_vacuum_runs_after_a_purge_over_the_threshold(target: Any) -> None:
