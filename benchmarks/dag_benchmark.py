@@ -9,10 +9,11 @@ Airflow (scheduler, dag-processor, api-server, triggerer as processes, LocalExec
 PostgreSQL) runs the retention DAG of the benchmark policy with the project's defaults (chunks sized by
 time, ``max_active_chunks`` 2). Each repetition measures, for each size in turn, (a) the unbounded DELETE
 and then (e) one DAG run on a fresh copy, so that a change of the machine's load hits both alike; the
-median of the repetitions is reported. After each (e) the **next night's run** (the next logical date: one
-more day of rows, and the first run's cleanup lag, which a run over 200,000 rows leaves to the next run's
-planning) runs at once on the same table, as in a backfill, before any VACUUM: its plan task pays the walk
-over the first run's deleted rows.
+median of the repetitions is reported. After each (a) and each (e) the **next night** runs at once on the
+table it left, as in a backfill, before any VACUUM: the next logical date, one more day of rows (1 % of the
+table). For (a) one more unbounded DELETE; for (e) one more DAG run, whose plan task also measures the first
+run's cleanup lag (a run over 200,000 rows leaves it to the next run's planning), paying the walk over the
+first run's deleted rows.
 
 Prints, per size, the seconds and ratio to (a), the longest writing transaction, WAL and the foreground's
 p99 against idle; the fixed cost of a run step by step (the whole run minus the time its chunks spent
@@ -68,6 +69,19 @@ def build_templates(dsn: str, sizes: list[int]) -> None:
         )
 
 
+def delete_next_night(dsn: str) -> dict[str, Any]:
+    """The next logical date's unbounded DELETE on the table (a) left (no copy, no VACUUM in between)."""
+    started = time.perf_counter()
+    rows, _ = pb.unbounded(dsn, NEXT_CUTOFF)
+    return {"seconds": round(time.perf_counter() - started, 2), "rows": rows}
+
+
+def measure_delete(dsn: str) -> pb.Result:
+    a = pb.measure(dsn, DELETE, lambda: pb.unbounded(dsn))
+    a.notes["next_night"] = delete_next_night(dsn)
+    return a
+
+
 def next_night(scheduler: pb.Scheduler, dsn: str) -> dict[str, Any]:
     """The next logical date's run on the table the measured run left (no copy, no VACUUM in between)."""
     started = time.perf_counter()
@@ -103,19 +117,18 @@ def median(results: list[pb.Result]) -> pb.Result:
 
 def print_next_nights(sizes: list[int], chosen: dict[int, dict[str, pb.Result]]) -> None:
     print()
-    print("the next night's run, right after (e) on the same table (no VACUUM in between): its plan task")
-    print("measures (e)'s cleanup lag, which (e)'s verify left to it")
+    print("the next night (one more day of rows), right after on the same table, no VACUUM in between: the")
+    print("DAG's plan task also measures the first run's cleanup lag, which that run's verify left to it")
     print(
-        f"{'table rows':>12} {'(e) plan task s':>16} {'next plan task s':>17} {'next run s':>11} {'rows':>9}"
-        f" {'lag measured':>13}"
+        f"{'table rows':>12} {'rows':>9} {'DELETE s':>9} {'DAG s':>7} {'x(a)':>6} {'(e) plan s':>11}"
+        f" {'next plan s':>12} {'lag measured':>13}"
     )
     for rows in sizes:
-        e = chosen[rows][DAG]
-        n = e.notes["next_night"]
-        measured = f"yes, {n['previous_run_eligible_left']} left" if n["previous_run_lag_measured"] else "no"
+        a, e = chosen[rows][DELETE].notes["next_night"], chosen[rows][DAG].notes["next_night"]
+        measured = f"yes, {e['previous_run_eligible_left']} left" if e["previous_run_lag_measured"] else "no"
         print(
-            f"{rows:>12,} {e.notes['plan_task_s']:>16.2f} {n['plan_task_s']:>17.2f} {n['seconds']:>11.2f}"
-            f" {n['rows']:>9,} {measured:>13}"
+            f"{rows:>12,} {e['rows']:>9,} {a['seconds']:>9.2f} {e['seconds']:>7.2f} {e['seconds'] / a['seconds']:>6.1f}"
+            f" {chosen[rows][DAG].notes['plan_task_s']:>11.2f} {e['plan_task_s']:>12.2f} {measured:>13}"
         )
 
 
@@ -126,12 +139,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--project-rows", type=int, default=100_000_000, help="project the lines to this many rows")
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_dag_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-dag.json")
+    parser.add_argument(
+        "--wal-compression", default="server", help="the bench policy's wal_compression (default: the policy default)"
+    )
+    parser.add_argument(
+        "--airflow-env",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Airflow settings of the deployment, e.g. AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME=0.2",
+    )
     args = parser.parse_args(argv)
     sizes = sorted(args.sizes)
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
     dsn = make_dsn(server, dbname=DB)
     runs: dict[int, dict[str, list[pb.Result]]] = {n: {DELETE: [], DAG: []} for n in sizes}
+    airflow_env = dict(item.split("=", 1) for item in args.airflow_env)
     idle: dict[int, pb.Result] = {}
     loads: list[float] = []
     started = time.perf_counter()
@@ -139,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         build_templates(dsn, sizes)
         use_template(dsn, sizes[0])
         # bench.events must exist before the scheduler's untimed warm-up run.
-        runs[sizes[0]][DELETE].append(pb.measure(dsn, DELETE, lambda: pb.unbounded(dsn)))
-        policy = pb.bench_policy(max_active_chunks=2)
+        runs[sizes[0]][DELETE].append(measure_delete(dsn))
+        policy = pb.bench_policy(max_active_chunks=2, wal_compression=args.wal_compression)
         print("starting Airflow (scheduler, LocalExecutor, 2 chunk tasks at once) ...", flush=True)
-        with pb.Scheduler(server, dsn, [policy]) as scheduler:
+        with pb.Scheduler(server, dsn, [policy], airflow_env) as scheduler:
             for rep in range(args.repeat):
                 for rows in sizes:
                     use_template(dsn, rows)
@@ -151,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     loads.append(float(Path("/proc/loadavg").read_text().split()[0]))
                     print(f"[{rep + 1}/{args.repeat}] {rows:,} rows: (a), then (e) and the next night ...", flush=True)
                     if not (rep == 0 and rows == sizes[0]):
-                        runs[rows][DELETE].append(pb.measure(dsn, DELETE, lambda: pb.unbounded(dsn)))
+                        runs[rows][DELETE].append(measure_delete(dsn))
                     e = pb.measure(dsn, DAG, lambda: scheduler.purge("retention_bench"))
                     e.notes["next_night"] = next_night(scheduler, dsn)
                     runs[rows][DAG].append(e)
@@ -177,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         {
             "sizes": sizes,
             "repeat": args.repeat,
+            "airflow_env": airflow_env,
+            "wal_compression": args.wal_compression,
             "load_average": [min(loads), max(loads), statistics.median(loads)],
             "idle": {rows: asdict(r) for rows, r in idle.items()},
             "results": {rows: {m: asdict(r) for m, r in by.items()} for rows, by in chosen.items()},

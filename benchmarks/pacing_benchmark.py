@@ -1,24 +1,29 @@
 """Pacing benchmark: batch transaction times through checkpoints, and the foreground's latency under each
-``max_duty_cycle``, side by side with one unbounded DELETE, in one run.
+``max_duty_cycle`` and ``wal_compression``, side by side with one unbounded DELETE, in one run.
 
-    python benchmarks/pacing_benchmark.py [--rows N | --large] [--duty 1 0.5 0.25] [--checkpoint-every 2]
+    python benchmarks/pacing_benchmark.py [--rows N | --large] [--duty 1 0.5 0.25] [--wal-compression server lz4]
+                                          [--payload repeated|json|random] [--checkpoint-every 2] [--repeat 3]
                                           [--dsn DSN] [--json out.json]
 
 Uses the table, the copy before every run, the foreground load (500 single-row reads and writes a second
 on live rows, in a process of its own) and the transaction monitor of ``purge_benchmark.py``, in a
 database of its own (``retention_pacing_bench``). Each engine run is the planner and then its chunks on one
 worker, with the project's defaults (block chunks, adaptive batches aiming at ``target_batch_time``
-200 ms, chunks sized by time) and the given ``max_duty_cycle``. Per run it prints the wall time, rows/s
-and its ratio to the unbounded DELETE, the committed batch transactions' p50/p99/max in ms (measured by
-the engine around each batch transaction) and the max over the target, the batches the statement cap cut
-short, the longest writing transaction sampled from ``pg_stat_activity`` every 5 ms (cut batches
-included), the checkpoints that ran (``pg_stat_bgwriter``), and the foreground's p50/p99 against idle.
+200 ms, chunks sized by time) and the given ``max_duty_cycle`` and ``wal_compression``; the unbounded
+DELETE is also measured with its session's ``wal_compression`` set to the first compressing method given.
+Per run it prints the wall time and its ratio to the unbounded DELETE, the WAL written (the whole
+server's), the committed batch transactions' p50/p99/max in ms (measured by the engine around each batch
+transaction) and the max over the target, the batches the statement cap cut short, the longest writing
+transaction sampled from ``pg_stat_activity`` every 5 ms (cut batches included), the checkpoints that ran
+(``pg_stat_bgwriter``), and the foreground's mean and p99 against idle.
 
 Checkpoints: at 10,000,000 rows the purge writes about 1.8 GB of WAL, past Debian's default
 ``max_wal_size`` of 1 GB, so checkpoints start mid-purge on their own. A smaller table (or a server with
 a larger ``max_wal_size``) sees none: ``--checkpoint-every S`` adds a run whose side connection issues
 ``CHECKPOINT`` every S seconds, to simulate them (an immediate checkpoint, which no watch can foresee:
 that run shows the statement cap and the controller alone). The server's settings are never changed.
+``--payload`` picks the payload column's contents (``purge_benchmark.PAYLOADS``): how well the pages
+compress decides what ``wal_compression`` saves.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,11 @@ class Checkpointer:
             self.thread.join()
 
 
+def compressed_delete(dsn: str, method: str) -> tuple[int, dict[str, Any]]:
+    """The unbounded DELETE with its full-page images compressed (the session's wal_compression)."""
+    return pb.unbounded(make_dsn(dsn, options=f"-c wal_compression={method}"))
+
+
 def engine(dsn: str, policy: RetentionPolicy, checkpoint_every: float | None = None) -> tuple[int, dict[str, Any]]:
     """Plan, then run every chunk on one worker; the batch times come from the engine's reports."""
     conn = psycopg2.connect(dsn)
@@ -121,29 +131,68 @@ def engine(dsn: str, policy: RetentionPolicy, checkpoint_every: float | None = N
     }
 
 
+def combined(results: list[pb.Result]) -> pb.Result:
+    """One configuration's repetitions as one row: the median of each time and latency, the worst batch
+    and the longest transaction of all (a bound must hold in every run), the runs' own values in notes."""
+    if len(results) == 1:
+        return results[0]
+
+    def median(values: list[float]) -> float:
+        return float(statistics.median(values))
+
+    first = results[0]
+    notes = dict(first.notes)
+    if "batches" in notes:
+        notes.update(
+            batches=round(median([r.notes["batches"] for r in results])),
+            batches_cut=max(r.notes["batches_cut"] for r in results),
+            batch_p50_ms=median([r.notes["batch_p50_ms"] for r in results]),
+            batch_p99_ms=median([r.notes["batch_p99_ms"] for r in results]),
+            batch_max_ms=max(r.notes["batch_max_ms"] for r in results),
+            checkpoints=round(median([r.notes["checkpoints"] for r in results])),
+        )
+    notes["runs"] = [
+        {"s": round(r.seconds, 2), "fg_p99_ms": round(r.fg_p99_ms, 2), "fg_mean_ms": round(r.fg_mean_ms, 3)}
+        for r in results
+    ]
+    seconds = median([r.seconds for r in results])
+    return replace(
+        first,
+        seconds=seconds,
+        rows_per_s=first.rows / seconds if seconds else 0.0,
+        longest_txn_ms=max(r.longest_txn_ms for r in results),
+        wal_bytes=round(median([r.wal_bytes for r in results])),
+        fg_p50_ms=median([r.fg_p50_ms for r in results]),
+        fg_p99_ms=median([r.fg_p99_ms for r in results]),
+        fg_mean_ms=median([r.fg_mean_ms for r in results]),
+        fg_ops=sum(r.fg_ops for r in results),
+        notes=notes,
+    )
+
+
 def print_table(rows: int, target_ms: int, idle: pb.Result, results: list[pb.Result]) -> None:
     ref = results[0]
     print()
     print(
         f"{rows:,} rows, {ref.rows:,} eligible; target_batch_time {target_ms} ms;"
-        f" foreground idle p50 {idle.fg_p50_ms:.2f} ms, p99 {idle.fg_p99_ms:.2f} ms"
+        f" foreground idle p50 {idle.fg_p50_ms:.2f} ms, p99 {idle.fg_p99_ms:.2f} ms, mean {idle.fg_mean_ms:.2f} ms"
     )
     print(
-        f"{'run':<44} {'s':>6} {'x(a)':>5} {'batches':>7} {'cut':>4} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7}"
-        f" {'max/tgt':>7} {'txn ms':>7} {'ckpts':>5} {'fg p99':>7} {'p99/idle':>8}"
+        f"{'run':<44} {'s':>6} {'x(a)':>5} {'WAL MB':>7} {'batches':>7} {'cut':>4} {'p50 ms':>7} {'p99 ms':>7}"
+        f" {'max ms':>7} {'max/tgt':>7} {'txn ms':>7} {'ckpts':>5} {'fg mean':>7} {'fg p99':>7} {'p99/idle':>8}"
     )
     for r in results:
         n = r.notes
         batches = n.get("batches")
         print(
-            f"{r.method:<44} {r.seconds:>6.1f} {ref.seconds / r.seconds:>5.2f}"
+            f"{r.method:<44} {r.seconds:>6.1f} {ref.seconds / r.seconds:>5.2f} {r.wal_bytes / 2**20:>7.0f}"
             + (
                 f" {batches:>7} {n['batches_cut']:>4} {n['batch_p50_ms']:>7.0f} {n['batch_p99_ms']:>7.0f}"
                 f" {n['batch_max_ms']:>7.0f} {n['batch_max_ms'] / target_ms:>7.2f}"
                 if batches
                 else f" {'':>7} {'':>4} {'':>7} {'':>7} {'':>7} {'':>7}"
             )
-            + f" {r.longest_txn_ms:>7.0f} {n.get('checkpoints', ''):>5} {r.fg_p99_ms:>7.2f}"
+            + f" {r.longest_txn_ms:>7.0f} {n.get('checkpoints', ''):>5} {r.fg_mean_ms:>7.2f} {r.fg_p99_ms:>7.2f}"
             f" {r.fg_p99_ms / max(idle.fg_p99_ms, 1e-9):>8.1f}"
         )
     for r in results:
@@ -156,7 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=2_000_000)
     parser.add_argument("--large", action="store_true", help="10,000,000 rows")
     parser.add_argument("--duty", type=float, nargs="+", default=[1.0, 0.5, 0.25], help="max_duty_cycle values")
+    parser.add_argument(
+        "--wal-compression",
+        nargs="+",
+        default=["server", "lz4"],
+        help="wal_compression values of the engine runs (each with every --duty); a DELETE with the first"
+        " compressing one is measured too",
+    )
+    parser.add_argument("--payload", choices=sorted(pb.PAYLOADS), default="repeated", help="the payload column")
     parser.add_argument("--checkpoint-every", type=float, default=None, help="also run with CHECKPOINT every S seconds")
+    parser.add_argument("--repeat", type=int, default=1, help="run every configuration this many times (medians)")
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_pacing_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-pacing.json")
     args = parser.parse_args(argv)
@@ -169,12 +227,17 @@ def main(argv: list[str] | None = None) -> int:
     target_ms = policy_with().target_batch_ms
     results: list[pb.Result] = []
     try:
-        pb.build_template(dsn, rows)
-        idle = pb.measure(dsn, "idle (no purge)", lambda: (time.sleep(3), (0, {}))[1], purges=False)
+        pb.build_template(dsn, rows, payload=args.payload)
+        idles = [pb.measure(dsn, "idle (no purge)", lambda: (time.sleep(5), (0, {}))[1], purges=False)]
         runs: list[tuple[str, pb.Purge]] = [("a. unbounded DELETE", lambda: pb.unbounded(dsn))]
-        for duty in args.duty:
-            policy = policy_with(max_duty_cycle=duty)
-            runs.append((f"engine, max_duty_cycle {duty:g}", lambda p=policy: engine(dsn, p)))
+        methods = [m for m in args.wal_compression if m not in ("server", "off", "auto")]
+        if methods:
+            runs.append((f"a. DELETE, wal_compression {methods[0]}", lambda: compressed_delete(dsn, methods[0])))
+        for wal in args.wal_compression:
+            for duty in args.duty:
+                policy = policy_with(max_duty_cycle=duty, wal_compression=wal)
+                name = f"engine, duty {duty:g}" + ("" if wal == "server" else f", wal_compression {wal}")
+                runs.append((name, lambda p=policy: engine(dsn, p)))
         if args.checkpoint_every:
             runs.append(
                 (
@@ -182,9 +245,15 @@ def main(argv: list[str] | None = None) -> int:
                     lambda: engine(dsn, policy_with(), args.checkpoint_every),
                 )
             )
-        for name, purge in runs:
-            print(f"running {name} ...", flush=True)
-            results.append(pb.measure(dsn, name, purge))
+        measured: dict[str, list[pb.Result]] = {name: [] for name, _ in runs}
+        for rep in range(args.repeat):  # each repetition runs every configuration: a load change hits all alike
+            for name, purge in runs:
+                which = f" ({rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+                print(f"running {name}{which} ...", flush=True)
+                measured[name].append(pb.measure(dsn, name, purge))
+            idles.append(pb.measure(dsn, "idle (no purge)", lambda: (time.sleep(5), (0, {}))[1], purges=False))
+        results = [combined(rs) for rs in measured.values()]
+        idle = combined(idles)
     finally:
         admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
     print_table(rows, target_ms, idle, results)

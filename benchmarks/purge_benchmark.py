@@ -61,9 +61,22 @@ SELECT g::bigint AS id,
        (g %% 50)::integer AS tenant_id,
        %(cutoff)s::timestamptz - interval '60 days' + (g::float / %(rows)s) * interval '100 days' AS created_at,
        CASE WHEN g %% 17 = 0 THEN 'open' ELSE 'closed' END AS status,
-       repeat(md5(g::text), 6) AS payload
+       {payload} AS payload
 FROM generate_series(1, %(rows)s) g;
 """
+# The payload column's contents (``--payload``): how well its pages compress sets what wal_compression saves.
+PAYLOADS = {
+    # 32 hex digits six times over: compresses about 3x (every earlier run of these benchmarks).
+    "repeated": "repeat(md5(g::text), 6)",
+    # An event as JSON: repeated keys, random-looking ids and values.
+    "json": (
+        "json_build_object('user_id', (g::bigint * 7919) %% 100000, 'event', (ARRAY['page_view', 'click',"
+        " 'purchase', 'signup'])[g %% 4 + 1], 'session', md5(g::text), 'amount', ((g::bigint * 31) %% 10000)"
+        " / 100.0, 'ua', 'Mozilla/5.0 (X11; Linux x86_64)')::text"
+    ),
+    # 96 bytes that do not repeat, base64: compresses least.
+    "random": "encode(decode(md5(g::text) || md5((g + 1)::text) || md5((g + 2)::text), 'hex'), 'base64')",
+}
 # --clustered: the same rows stored tenant by tenant (as after CLUSTER on (tenant_id, id)), the case
 # where per-tenant key chunks touch each block once too.
 CLUSTERED = ", stored tenant by tenant"
@@ -109,6 +122,7 @@ def bench_policy(
     max_active_chunks: int = 1,
     one_pass: bool = False,
     overrides: bool = False,
+    wal_compression: str = "server",
 ) -> RetentionPolicy:
     """The policy every engine method runs: the project's defaults (batch size, adaptive batches,
     chunk_rows), a condition; block ranges (the default here, for an append-mostly events table), key
@@ -129,6 +143,7 @@ def bench_policy(
         schedule=None,
         max_active_chunks=max_active_chunks,
         retries=0,
+        wal_compression=wal_compression,
     )
 
 
@@ -144,6 +159,7 @@ class Result:
     fg_p99_ms: float
     fg_ops: int
     notes: dict[str, Any] = field(default_factory=dict)
+    fg_mean_ms: float = 0.0
 
 
 def _foreground(dsn: str, live_ids: list[int], stop: Any, out: Any) -> None:
@@ -224,6 +240,9 @@ class Foreground(_Sidecar):
         q = statistics.quantiles(latencies, n=100)
         return q[49], q[98]
 
+    def mean(self) -> float:
+        return statistics.fmean(self.result) if self.result else 0.0
+
 
 class TxnMonitor(_Sidecar):
     """The longest writing transaction in the bench database, whoever runs it (a worker of ours, an
@@ -278,13 +297,14 @@ def measure(dsn: str, name: str, purge: Purge, *, purges: bool = True, eligible:
     if purges and left:
         raise AssertionError(f"{name}: {left} eligible rows left")
     p50, p99 = fg.percentiles()
-    return Result(name, seconds, rows, rows / seconds, monitor.longest, wal, p50, p99, len(fg.result or []), notes)
+    fg_ops = len(fg.result or [])
+    return Result(name, seconds, rows, rows / seconds, monitor.longest, wal, p50, p99, fg_ops, notes, fg.mean())
 
 
-def unbounded(dsn: str) -> tuple[int, dict[str, Any]]:
+def unbounded(dsn: str, cutoff: datetime = CUTOFF) -> tuple[int, dict[str, Any]]:
     conn = psycopg2.connect(dsn)
     with conn.cursor() as cur:
-        cur.execute(f"DELETE FROM bench.events WHERE {ELIGIBLE}", {"cutoff": CUTOFF})
+        cur.execute(f"DELETE FROM bench.events WHERE {ELIGIBLE}", {"cutoff": cutoff})
         rows = cur.rowcount
     conn.commit()
     conn.close()
@@ -415,7 +435,9 @@ class Scheduler:
     started once, before the timed part; each measurement triggers one DAG run through the REST API.
     One DAG per policy given (``retention_<name>``)."""
 
-    def __init__(self, server: str, dsn: str, policies: list[RetentionPolicy]) -> None:
+    def __init__(
+        self, server: str, dsn: str, policies: list[RetentionPolicy], extra_env: dict[str, str] | None = None
+    ) -> None:
         from tests.deployment.harness import Deployment
 
         self.dags = Path(tempfile.mkdtemp(prefix="retention-bench-dags-"))
@@ -430,6 +452,7 @@ class Scheduler:
                 "BENCH_POLICIES": json.dumps([policy_to_dict(p) for p in policies]),
                 "AIRFLOW__CORE__PARALLELISM": str(max(8, slots + 2)),
                 "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+                **(extra_env or {}),
             },
         )
         self.runs = 0
@@ -680,12 +703,13 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     print(f"\nresults written to {path}")
 
 
-def build_template(dsn: str, rows: int, clustered: bool = False) -> None:
-    print(f"building bench.template with {rows:,} rows{CLUSTERED if clustered else ''} ...", flush=True)
+def build_template(dsn: str, rows: int, clustered: bool = False, payload: str = "repeated") -> None:
+    what = f"{CLUSTERED if clustered else ''}{'' if payload == 'repeated' else f', {payload} payload'}"
+    print(f"building bench.template with {rows:,} rows{what} ...", flush=True)
     admin = psycopg2.connect(dsn)
     admin.autocommit = True
     with admin.cursor() as cur:
-        cur.execute(TEMPLATE_SQL, {"rows": rows, "cutoff": CUTOFF})
+        cur.execute(TEMPLATE_SQL.replace("{payload}", PAYLOADS[payload]), {"rows": rows, "cutoff": CUTOFF})
         if clustered:
             cur.execute(CLUSTER_SQL)
     admin.close()

@@ -46,6 +46,8 @@ class TargetInfo:
     columns: tuple[str, ...]
     warnings: tuple[str, ...] = field(default_factory=tuple)
     partitioned: bool = False
+    # The value the batch transactions give wal_compression (SET LOCAL); None: the server's own.
+    wal_compression: str | None = None
 
 
 _KINDS = {"v": "a view", "m": "a materialized view", "f": "a foreign table", "S": "a sequence", "i": "an index"}
@@ -189,6 +191,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
         columns=ordered,
         warnings=tuple(warnings),
         partitioned=partitioned,
+        wal_compression=batch_wal_compression(conn, policy),
     )
     # A partitioned table's leaves are checked by the planner (core/partitions.py): rows are deleted there.
     require_privileges(conn, policy, policy.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
@@ -217,6 +220,56 @@ def check_detached_schema(conn: Any, policy: RetentionPolicy) -> None:
             f" schema {display_name(policy.detached_schema)} (GRANT CREATE ON SCHEMA"
             f" {quote_ident(policy.detached_schema)} TO …); nothing was detached"
         )
+
+
+# The value "auto" picks: the fastest of the compressing methods (docs/performance.md has its numbers).
+AUTO_WAL_COMPRESSION = "lz4"
+# Why a value cannot be set: the role may not (42501), the server does not know it (22023).
+_CANNOT_SET = {"42501": "privilege", "22023": "value"}
+
+
+def batch_wal_compression(conn: Any, policy: RetentionPolicy) -> str | None:
+    """The ``wal_compression`` every batch transaction sets (``SET LOCAL``), or None for the server's.
+
+    Tried once here in a transaction of its own (``set_config(..., true)`` lasts until its end). With
+    ``"auto"`` a role that may not set it, or a server without lz4, leaves the server's setting (logged);
+    an explicit value that cannot be set fails the policy, naming the field and the grant."""
+    wanted = AUTO_WAL_COMPRESSION if policy.wal_compression == "auto" else policy.wal_compression
+    if wanted == "server":
+        return None
+    try:
+        user, current = dbapi.fetch_all(
+            conn,
+            "SELECT current_user::text, current_setting('wal_compression'), set_config('wal_compression', %(v)s, true)",
+            {"v": wanted},
+        )[0][:2]
+    except PermanentError as exc:
+        reason = _CANNOT_SET.get(dbapi.sqlstate(exc.__cause__) or "")
+        if reason is None:
+            raise
+        (user,) = dbapi.fetch_all(conn, "SELECT current_user::text")[0]
+        why = (
+            f"role {user} may not set wal_compression (a superuser may, or: GRANT SET ON PARAMETER"
+            f" wal_compression TO {quote_ident(user)}, PostgreSQL 15+)"
+            if reason == "privilege"
+            else f"the server does not accept wal_compression = {wanted} (lz4 and zstd need PostgreSQL 15+"
+            " built with them)"
+        )
+        if policy.wal_compression != "auto":
+            raise PermanentError(
+                f"policy {policy.name!r}: field 'wal_compression': {why}; set it to 'auto' or 'server', or"
+                " fix the grant; nothing was deleted"
+            ) from exc
+        log.info(
+            "policy %s: wal_compression auto: batches write full-page images as the server's setting says: %s",
+            policy.name,
+            why,
+        )
+        return None
+    if current == wanted:
+        return None  # the server's setting already
+    log.info("policy %s: batches set wal_compression = %s (the server's setting: %s)", policy.name, wanted, current)
+    return wanted
 
 
 def _check_condition(conn: Any, policy: RetentionPolicy) -> None:

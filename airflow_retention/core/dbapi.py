@@ -67,11 +67,16 @@ def transaction(conn: Any, *, repeatable_read: bool = False) -> Iterator[Any]:
         _close_quietly(cur)
 
 
-def set_local_timeouts(cur: Any, lock_timeout_ms: int, statement_timeout_ms: int) -> None:
-    """``lock_timeout`` and ``statement_timeout`` for the rest of the current transaction only."""
+def set_local_timeouts(
+    cur: Any, lock_timeout_ms: int, statement_timeout_ms: int, *, wal_compression: str | None = None
+) -> None:
+    """``lock_timeout`` and ``statement_timeout`` (and ``wal_compression`` when given) for the rest of
+    the current transaction only, in one round trip."""
+    params = {"lock": str(lock_timeout_ms), "statement": str(statement_timeout_ms), "wal": wal_compression}
     cur.execute(
-        "SELECT set_config('lock_timeout', %(lock)s, true), set_config('statement_timeout', %(statement)s, true)",
-        {"lock": str(lock_timeout_ms), "statement": str(statement_timeout_ms)},
+        "SELECT set_config('lock_timeout', %(lock)s, true), set_config('statement_timeout', %(statement)s, true)"
+        + (", set_config('wal_compression', %(wal)s, true)" if wal_compression is not None else ""),
+        params,
     )
 
 

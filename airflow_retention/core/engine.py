@@ -199,7 +199,8 @@ def run_chunk(
             locked = False
             try:
                 with dbapi.transaction(conn, repeatable_read=snapshot) as cur:
-                    dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, pacer.statement_timeout(size))
+                    timeout_ms, wal = pacer.statement_timeout(size), target.wal_compression
+                    dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, timeout_ms, wal_compression=wal)
                     row = ledger.lock_chunk(cur, key, chunk.key)
                     locked = True
                     if row is None:

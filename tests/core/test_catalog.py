@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.catalog import inspect_target
-from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.errors import PermanentError, PolicyError
 
 from .helpers import create_events, make_policy, rows
 
@@ -144,3 +144,35 @@ def test_archive_table_resolving_to_the_target_itself_is_refused(schema: str, co
     policy = make_policy(schema, archive_table="events")
     message = permanent(conn, policy)
     assert "field 'archive_table'" in message
+
+
+def _server_accepts(admin: Any, value: str) -> bool:
+    (values,) = rows(admin, "SELECT enumvals FROM pg_catalog.pg_settings WHERE name = 'wal_compression'")[0]
+    return values is not None and value in values
+
+
+def test_batches_set_wal_compression_lz4_when_the_role_may(
+    schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    create_events(admin, schema)
+    (current,) = rows(admin, "SELECT current_setting('wal_compression')")[0]
+    lz4 = _server_accepts(admin, "lz4")
+    assert make_policy(schema).wal_compression == "server"
+    assert inspect_target(conn, make_policy(schema)).wal_compression is None
+    with caplog.at_level(logging.INFO):
+        auto = inspect_target(conn, make_policy(schema, wal_compression="auto")).wal_compression
+    # The tests' role is a superuser: auto takes lz4 unless the server has it already (or lacks it).
+    assert auto == ("lz4" if lz4 and current != "lz4" else None)
+    if auto:
+        assert "batches set wal_compression = lz4" in caplog.text
+    assert inspect_target(conn, make_policy(schema, wal_compression="PGLZ")).wal_compression == (
+        None if current == "pglz" else "pglz"
+    )
+    # The probe is local to its own transaction: the session's setting is untouched.
+    assert rows(admin, "SELECT current_setting('wal_compression')")[0][0] == current
+
+
+@pytest.mark.parametrize("value", ["gzip", "", 1, None, True])
+def test_a_wal_compression_the_policy_does_not_know_is_refused(value: object) -> None:
+    with pytest.raises(PolicyError, match="wal_compression"):
+        make_policy("s", wal_compression=value)

@@ -4,6 +4,7 @@ table and the ledger: nothing lost, nothing deleted twice, nothing deleted that 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from psycopg2.extensions import make_dsn
 
+from airflow_retention.core.catalog import inspect_target
 from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError, RetryableError
 from airflow_retention.core.ledger import ChunkSpec, Ledger
@@ -328,3 +330,37 @@ def test_server_restarted_between_batches_then_the_retry_completes(driver: str) 
         admin_execute(
             DSN, f'DROP SCHEMA IF EXISTS "{schema}" CASCADE', f'DROP SCHEMA IF EXISTS "{schema}_ledger" CASCADE'
         )
+
+
+def test_wal_compression_follows_the_roles_right_to_set_it(
+    schema: str, admin: Any, driver: str, purger: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 1_000)
+    rows(admin, f'CREATE SCHEMA "{schema}_ledger" AUTHORIZATION "{purger}"')
+    rows(admin, f'GRANT USAGE ON SCHEMA "{schema}" TO "{purger}"')
+    rows(admin, f'GRANT SELECT, DELETE ON {table} TO "{purger}"')
+    eligible = eligible_ids(admin, table)
+    conn = connect(driver, make_dsn(DSN, user=purger, password=None))
+    try:
+        # auto: the role may not set it, so the batches keep the server's setting, and the log says how to grant it.
+        with caplog.at_level(logging.INFO):
+            assert inspect_target(conn, make_policy(schema, wal_compression="auto")).wal_compression is None
+        assert f"role {purger} may not set wal_compression" in caplog.text
+        assert f'GRANT SET ON PARAMETER wal_compression TO "{purger}"' in caplog.text
+        # An explicit value it cannot set fails the plan, naming the field and the grant, and deletes nothing.
+        with pytest.raises(PermanentError, match=r"field 'wal_compression': role .* may not set wal_compression"):
+            plan_run(conn, make_policy(schema, wal_compression="pglz"), CUTOFF)
+        assert eligible_ids(admin, table) == eligible
+        # Granted (PostgreSQL 15+), the same policy sets it in its batches and purges.
+        rows(admin, f'GRANT SET ON PARAMETER wal_compression TO "{purger}"')
+        policy = make_policy(schema, wal_compression="pglz")
+        (current,) = rows(admin, "SELECT current_setting('wal_compression')")[0]
+        assert inspect_target(conn, policy).wal_compression == (None if current == "pglz" else "pglz")
+        plan = plan_run(conn, policy, CUTOFF)
+        for chunk in plan.chunks:
+            run_chunk(conn, policy, plan.cutoff, chunk)
+        assert eligible_ids(admin, table) == []
+    finally:
+        conn.close()
+        rows(admin, f'REVOKE SET ON PARAMETER wal_compression FROM "{purger}"')
