@@ -3,6 +3,7 @@
 
     python benchmarks/pacing_benchmark.py [--rows N | --large] [--duty 1 0.5 0.25] [--wal-compression server lz4]
                                           [--payload repeated|json|random] [--checkpoint-every 2] [--repeat 3]
+                                          [--monitor-ms 5]
                                           [--dsn DSN] [--json out.json]
 
 Uses the table, the copy before every run, the foreground load (500 single-row reads and writes a second
@@ -15,7 +16,9 @@ Per run it prints the wall time and its ratio to the unbounded DELETE, the WAL w
 server's), the committed batch transactions' p50/p99/max in ms (measured by the engine around each batch
 transaction) and the max over the target, the batches the statement cap cut short, the longest writing
 transaction sampled from ``pg_stat_activity`` every 5 ms (cut batches included), the checkpoints that ran
-(``pg_stat_bgwriter``), and the foreground's mean and p99 against idle.
+(``pg_stat_bgwriter``), and the foreground's mean and p99 against idle. The 5 ms sampling takes enough
+CPU of a 2-core machine to slow the foreground while a purge takes the other core: measure the
+foreground with ``--monitor-ms 500``.
 
 Checkpoints: at 10,000,000 rows the purge writes about 1.8 GB of WAL, past Debian's default
 ``max_wal_size`` of 1 GB, so checkpoints start mid-purge on their own. A smaller table (or a server with
@@ -215,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--payload", choices=sorted(pb.PAYLOADS), default="repeated", help="the payload column")
     parser.add_argument("--checkpoint-every", type=float, default=None, help="also run with CHECKPOINT every S seconds")
     parser.add_argument("--repeat", type=int, default=1, help="run every configuration this many times (medians)")
+    parser.add_argument(
+        "--monitor-ms",
+        type=float,
+        default=5.0,
+        help="the transaction monitor's sampling interval: 5 ms sees every batch, and takes enough CPU of a"
+        " 2-core machine to slow the foreground during a purge; 500 for the foreground's numbers",
+    )
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_pacing_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-pacing.json")
     args = parser.parse_args(argv)
@@ -222,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
     dsn = make_dsn(server, dbname=DB)
-    # The transaction monitor samples every 5 ms (not 20): the batches measured here last 200-400 ms.
-    pb.TxnMonitor.__init__.__defaults__ = (0.005,)
+    # Every 5 ms by default (not 20): the batches measured here last 200-400 ms.
+    pb.TxnMonitor.__init__.__defaults__ = (args.monitor_ms / 1000,)
     target_ms = policy_with().target_batch_ms
     results: list[pb.Result] = []
     try:

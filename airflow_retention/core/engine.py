@@ -359,7 +359,7 @@ def run_chunk(
             result.duty_seconds += pacer.rest(report.ms)
         if one_pass or chunk.tenants is not None:
             redo = _Redo(conn, policy, key, chunk, cutoffs, ledger, passes, statement, walk, tenants_statement, params,
-                         result)  # fmt: skip
+                         result, target.wal_compression)  # fmt: skip
             redo.settle(end, rows_per_block, pacer.size)
     except RetentionError as exc:
         backoffs, backoff_s = throttler.take()
@@ -427,6 +427,7 @@ class _Redo:
     tenants_statement: str
     params: dict[str, Any]
     result: ChunkResult
+    wal_compression: str | None = None
 
     def open_letters(self) -> list[dict[str, Any]]:
         with dbapi.transaction(self.conn) as cur:
@@ -497,7 +498,9 @@ class _Redo:
     def _batch(self) -> Iterator[Any]:
         snapshot = self.passes is not None and self.passes.needs_snapshot
         with dbapi.transaction(self.conn, repeatable_read=snapshot) as cur:
-            dbapi.set_local_timeouts(cur, self.policy.lock_timeout_ms, self.policy.statement_timeout_ms)
+            dbapi.set_local_timeouts(
+                cur, self.policy.lock_timeout_ms, self.policy.statement_timeout_ms, wal_compression=self.wal_compression
+            )
             self.ledger.lock_chunk(cur, self.key, self.chunk.key)  # attempts of one chunk queue here
             yield cur
 

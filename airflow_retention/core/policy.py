@@ -185,7 +185,9 @@ class RetentionPolicy:
         measured rate in its previous runs, else a conservative estimate.
     :param max_duty_cycle: the share of wall time a chunk may spend inside batch transactions, above 0
         and at most 1: after a batch of ``t`` seconds the engine pauses ``t * (1 / max_duty_cycle - 1)``.
-        1 (the default) never pauses; 0.5 takes twice as long and leaves the database idle half the time.
+        1 (the default) never pauses; 0.5 takes twice as long and leaves the database idle half the time
+        (it spreads the purge's WAL and checkpoint writes; ``wal_compression`` is what shortens the
+        foreground's latency tail).
     :param wal_compression: ``wal_compression`` in every batch transaction: how the batches write the
         full-page images that make most of a purge's WAL (the first change to each page after a checkpoint
         writes the whole 8 kB page). ``"server"`` (the default) leaves the server's setting; ``"lz4"``,

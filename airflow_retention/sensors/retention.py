@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from functools import cached_property
@@ -49,9 +50,10 @@ class RetentionCompleteSensor(BaseSensorOperator):
     including after a run with nothing eligible (whose mapped chunk task is skipped). It decides at its
     first look: every chunk task has ended by then, so the run is complete, or it fails naming the
     chunks that are not (as after a failed chunk, or one marked "success" by hand). It waits (in
-    ``reschedule`` mode, or deferred to the triggerer with ``deferrable=True``) only while a chunk may
-    still be written: a chunk task still in flight (when the sensor is wired to start earlier), or a
-    chunk whose ledger row shows a batch less than a minute old although its task has ended (a zombie).
+    ``reschedule`` mode, or deferred to the triggerer with ``deferrable=True``) only while a chunk task
+    is still in flight (when the sensor is wired to start earlier); for a chunk whose ledger row shows a
+    batch less than a minute old although its task has ended (a zombie) it waits in its own process, a
+    minute at most.
 
     :param policy: the retention policy.
     :param plan_task_id: task id of the planner whose ``run`` XCom (``run_key``, ``cutoff``,
@@ -157,20 +159,37 @@ class RetentionCompleteSensor(BaseSensorOperator):
         self.log.info("%s", verification.describe())
         if not self.chunk_task_id or self._chunks_in_flight(context):
             return False  # without chunk_task_id it cannot know that nothing will write: it waits
-        writing = self._chunks_still_writing(run_key, expected)
-        if writing:
+        if self._wait_out_zombies(run_key, expected):
+            return PokeReturnValue(is_done=True, xcom_value=self._complete(context, run_key, expected))
+        verification = self.hook.verify(run_key, expected)
+        raise AirflowFailException(
+            f"{verification.describe()}{self._incomplete_labels(run_key, expected)};"
+            " no chunk task is still running, so nothing will complete them."
+            " Clear the failed chunk task(s) (with downstream) to retry them."
+        )
+
+    def _wait_out_zombies(self, run_key: str, expected: list[str]) -> bool:
+        """While a chunk whose task has ended still commits batches (its process lives on: a zombie), look
+        at the ledger again every ``poke_interval``, in this process: such a chunk is still for a minute
+        (``STILL_WRITING_WINDOW``) at most before it counts as stopped, too short to give up the worker
+        slot for (and rescheduling itself fails on Task SDK 1.0.2). True once the run is complete."""
+        deadline = time.monotonic() + float(self.timeout)
+        while writing := self._chunks_still_writing(run_key, expected):
+            if time.monotonic() > deadline:
+                raise AirflowSensorTimeout(
+                    f"timed out after {self.timeout}s waiting for chunks still written after their task ended:"
+                    f" {self.hook.verify(run_key, expected).describe()}"
+                )
             self.log.warning(
                 "no chunk task is running, but chunk(s) %s committed a batch less than a minute ago: a process"
                 " whose task ended (a zombie) may still be writing; looking again in %s s",
                 ", ".join(c.label() for c in writing[:LABELS_SHOWN]),
                 self.poke_interval,
             )
-            return False
-        raise AirflowFailException(
-            f"{verification.describe()}{self._incomplete_labels(run_key, expected)};"
-            " no chunk task is still running, so nothing will complete them."
-            " Clear the failed chunk task(s) (with downstream) to retry them."
-        )
+            time.sleep(float(self.poke_interval))
+            if self.hook.verify(run_key, expected).ok:
+                return True
+        return False
 
     def _complete(self, context: Context, run_key: str, expected: list[str]) -> dict[str, Any]:
         """Mark the run complete, say what it did in one line, and return that (the task's XCom)."""
