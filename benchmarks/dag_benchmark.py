@@ -94,6 +94,14 @@ def next_night(scheduler: pb.Scheduler, dsn: str) -> dict[str, Any]:
             (pb.CUTOFF,),
         )
         left, lag, measured = cur.fetchone()
+        # The blocks the night's chunks cover (bounded by the timestamp index or the whole table).
+        cur.execute(
+            "SELECT coalesce(sum(c.hi - c.lo), 0), count(c.*),"
+            " pg_relation_size('bench.events') / current_setting('block_size')::bigint"
+            " FROM bench_ledger.runs r LEFT JOIN bench_ledger.chunks c USING (run_key) WHERE r.cutoff = %s",
+            (NEXT_CUTOFF,),
+        )
+        blocks_planned, chunks, table_blocks = cur.fetchone()
     conn.close()
     return {
         "seconds": round(notes["seconds"], 2),
@@ -104,6 +112,9 @@ def next_night(scheduler: pb.Scheduler, dsn: str) -> dict[str, Any]:
         "previous_run_lag_measured": bool(measured),
         "previous_run_eligible_left": left,
         "previous_run_lag_s": lag,
+        "blocks_planned": int(blocks_planned),
+        "table_blocks": int(table_blocks),
+        "chunks": int(chunks),
     }
 
 
@@ -121,7 +132,7 @@ def print_next_nights(sizes: list[int], chosen: dict[int, dict[str, pb.Result]])
     print("DAG's plan task also measures the first run's cleanup lag, which that run's verify left to it")
     print(
         f"{'table rows':>12} {'rows':>9} {'DELETE s':>9} {'DAG s':>7} {'x(a)':>6} {'(e) plan s':>11}"
-        f" {'next plan s':>12} {'lag measured':>13}"
+        f" {'next plan s':>12} {'lag measured':>13} {'fixed s':>8} {'blocks read':>19}"
     )
     for rows in sizes:
         a, e = chosen[rows][DELETE].notes["next_night"], chosen[rows][DAG].notes["next_night"]
@@ -129,7 +140,15 @@ def print_next_nights(sizes: list[int], chosen: dict[int, dict[str, pb.Result]])
         print(
             f"{rows:>12,} {e['rows']:>9,} {a['seconds']:>9.2f} {e['seconds']:>7.2f} {e['seconds'] / a['seconds']:>6.1f}"
             f" {chosen[rows][DAG].notes['plan_task_s']:>11.2f} {e['plan_task_s']:>12.2f} {measured:>13}"
+            f" {e['fixed_cost']['fixed']:>8.2f} {_blocks_read(e):>19}"
         )
+
+
+def _blocks_read(night: dict[str, Any]) -> str:
+    if "blocks_planned" not in night:
+        return "-"
+    share = 100.0 * night["blocks_planned"] / night["table_blocks"] if night["table_blocks"] else 0.0
+    return f"{night['blocks_planned']:,} ({share:.1f} %)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,16 +68,33 @@ def transaction(conn: Any, *, repeatable_read: bool = False) -> Iterator[Any]:
 
 
 def set_local_timeouts(
-    cur: Any, lock_timeout_ms: int, statement_timeout_ms: int, *, wal_compression: str | None = None
+    cur: Any,
+    lock_timeout_ms: int,
+    statement_timeout_ms: int,
+    *,
+    wal_compression: str | None = None,
+    synchronous_commit: str | None = None,
 ) -> None:
-    """``lock_timeout`` and ``statement_timeout`` (and ``wal_compression`` when given) for the rest of
-    the current transaction only, in one round trip."""
-    params = {"lock": str(lock_timeout_ms), "statement": str(statement_timeout_ms), "wal": wal_compression}
+    """``lock_timeout`` and ``statement_timeout`` (and ``wal_compression``, ``synchronous_commit`` when
+    given) for the rest of the current transaction only, in one round trip."""
+    params = {
+        "lock": str(lock_timeout_ms),
+        "statement": str(statement_timeout_ms),
+        "wal": wal_compression,
+        "sync": synchronous_commit,
+    }
     cur.execute(
         "SELECT set_config('lock_timeout', %(lock)s, true), set_config('statement_timeout', %(statement)s, true)"
-        + (", set_config('wal_compression', %(wal)s, true)" if wal_compression is not None else ""),
+        + (", set_config('wal_compression', %(wal)s, true)" if wal_compression is not None else "")
+        + (", set_config('synchronous_commit', %(sync)s, true)" if synchronous_commit is not None else ""),
         params,
     )
+
+
+def durable_commit(cur: Any) -> None:
+    """The current transaction commits with the session's own ``synchronous_commit`` (the server's,
+    role's or connection's), whatever a batch set: the commit that records a chunk complete."""
+    cur.execute("SET LOCAL synchronous_commit TO DEFAULT")
 
 
 def outside_transaction(conn: Any, statement: str, settings: Mapping[str, str] | None = None) -> None:

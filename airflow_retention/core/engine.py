@@ -181,6 +181,7 @@ def run_chunk(
     tenants_statement = tenants_in_batch_statement(policy, target, leaf) if one_pass else ""
     returns_counts = batch_statement_returns_counts(policy)
     rows_per_block, end = 1.0, chunk.hi
+    sync = None if policy.synchronous_commit == "server" else policy.synchronous_commit
     if by_block:
         try:
             blocks, rows_per_block = _block_extent(conn, leaf or policy.table)
@@ -200,7 +201,9 @@ def run_chunk(
             try:
                 with dbapi.transaction(conn, repeatable_read=snapshot) as cur:
                     timeout_ms, wal = pacer.statement_timeout(size), target.wal_compression
-                    dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, timeout_ms, wal_compression=wal)
+                    dbapi.set_local_timeouts(
+                        cur, policy.lock_timeout_ms, timeout_ms, wal_compression=wal, synchronous_commit=sync
+                    )
                     row = ledger.lock_chunk(cur, key, chunk.key)
                     locked = True
                     if row is None:
@@ -218,6 +221,7 @@ def run_chunk(
                             gone,
                         )
                         outcome = "deleted" if earlier_deleted else "partition_gone"
+                        dbapi.durable_commit(cur)
                         ledger.complete_chunk(
                             cur, key, chunk, attempt, outcome=outcome, first_batch_of_attempt=result.batches == 0
                         )
@@ -275,6 +279,9 @@ def run_chunk(
                         total = earlier_deleted + deleted
                         outcome = "dry_run" if policy.dry_run else ("deleted" if total else "nothing_to_delete")
                     backoffs, backoff_s = throttler.take()
+                    if exhausted and sync is not None:
+                        # The chunk's receipt is durable once reported, and with it every batch before it.
+                        dbapi.durable_commit(cur)
                     ledger.record_batch(
                         cur,
                         key,

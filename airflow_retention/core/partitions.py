@@ -26,7 +26,7 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, check_detached_schema, require_privileges
@@ -38,6 +38,9 @@ from airflow_retention.core.sql import (
     eligible_exists_statement,
     ineligible_exists_statement,
 )
+
+if TYPE_CHECKING:
+    from airflow_retention.core.planner import BoundedBlocks
 from airflow_retention.core.tenants import TenantCutoffs
 
 log = logging.getLogger(__name__)
@@ -158,6 +161,12 @@ class RowLeaf:
     sampled: list[tuple[int, int]]
     scale: float
     estimate: int
+    # The exact map of its eligible rows, when an index bounds them (planner.index_bounded_blocks).
+    bounded: BoundedBlocks | None = None
+
+    @property
+    def blocks_to_read(self) -> int:
+        return self.bounded.blocks if self.bounded is not None else int(self.relation.blocks or 0)
 
 
 @dataclass(frozen=True)
@@ -171,7 +180,7 @@ class PartitionPlan:
 
 def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs) -> PartitionPlan:
     """Read the tree and decide what becomes of each partition (nothing is written)."""
-    from airflow_retention.core.planner import sample_blocks
+    from airflow_retention.core.planner import index_bounded_blocks, sample_blocks
 
     tree = read_tree(conn, policy)
     flags = time_bounds(conn, policy, target, cutoffs, tree)
@@ -240,6 +249,15 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
         require_privileges(conn, policy, leaf.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
         percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, leaf.table, leaf.reltuples)
         estimate = round(sum(n for _, n in sampled) * scale)
+        blocks = int(leaf.blocks)
+        bounded = index_bounded_blocks(conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table)
+        if bounded is not None:
+            if bounded.rows == 0:
+                decisions.append(PartitionDecision(leaf, "skip", 0, "no eligible row"))
+                continue
+            row_leaves.append(RowLeaf(leaf, sampled, scale, bounded.rows, bounded))
+            decisions.append(PartitionDecision(leaf, "delete rows", bounded.rows, bounded.describe(blocks)))
+            continue
         if estimate == 0:
             probe = dbapi.fetch_all(
                 conn,
@@ -302,9 +320,14 @@ def _require_ownership(conn: Any, policy: RetentionPolicy, tree: dict[int, Relat
 
 def split_leaves(leaves: Iterable[RowLeaf], size: int) -> list[list[tuple[int, int, int]]]:
     """Block ranges (lo, hi, estimated rows) of each leaf at ``size`` estimated rows per chunk."""
-    from airflow_retention.core.planner import block_ranges
+    from airflow_retention.core.planner import block_ranges, bounded_ranges
 
-    return [block_ranges(leaf.sampled, leaf.scale, int(leaf.relation.blocks or 0), size) for leaf in leaves]
+    return [
+        bounded_ranges(leaf.bounded.spans, size)
+        if leaf.bounded is not None
+        else block_ranges(leaf.sampled, leaf.scale, int(leaf.relation.blocks or 0), size)
+        for leaf in leaves
+    ]
 
 
 def fit(leaves: list[RowLeaf], chunk_rows: int, budget: int) -> tuple[int, list[list[tuple[int, int, int]]]]:

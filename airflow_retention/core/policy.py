@@ -32,6 +32,7 @@ CHUNK_BY = ("key", "block")
 EXPIRED_PARTITIONS = ("delete", "detach", "drop")
 # "server": the server's own; "auto": lz4 when the role may set it; else the value set in every batch.
 WAL_COMPRESSION = ("server", "auto", "lz4", "zstd", "pglz", "off")
+SYNCHRONOUS_COMMIT = ("off", "server", "local", "remote_write", "on", "remote_apply")
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,13 @@ class RetentionPolicy:
         (logged). Compressed images cost CPU in the purging session and cut its WAL to 0.34-0.74x of
         uncompressed, depending on how the rows compress, and with it the foreground's commit latency
         during the purge (docs/performance.md).
+    :param synchronous_commit: ``synchronous_commit`` of the batch transactions. ``"off"`` (the default):
+        a batch's commit does not wait for its WAL to reach disk (or a synchronous standby); a server
+        crash can undo the last batches committed before it (about 3 x ``wal_writer_delay``), each
+        together with its ledger row, so the retry deletes those rows again. The transaction that
+        completes a chunk commits with the server's setting, so that a chunk reported done is durable.
+        ``"server"`` leaves the server's setting for every batch; ``"on"``, ``"local"``,
+        ``"remote_write"``, ``"remote_apply"`` set that value (any role may).
     :param lock_timeout_ms: (YAML ``lock_timeout``) ``lock_timeout`` set in every batch transaction
         (``"5s"``, ms as int).
     :param statement_timeout_ms: (YAML ``statement_timeout``) ``statement_timeout`` set in every batch transaction.
@@ -242,6 +250,7 @@ class RetentionPolicy:
     target_chunk_ms: int = DEFAULT_TARGET_CHUNK_MS
     max_duty_cycle: float = 1.0
     wal_compression: str = "server"
+    synchronous_commit: str = "off"
     lock_timeout_ms: int = 5_000
     statement_timeout_ms: int = 60_000
     dry_run: bool = False
@@ -317,6 +326,7 @@ class RetentionPolicy:
             ),
             ("duty cycle", f"at most {self.max_duty_cycle:.0%} of the time in batches"),
             ("WAL compression in batches", self.wal_compression),
+            ("synchronous_commit in batches", self.synchronous_commit),
             (
                 "adaptive batches",
                 f"{self.min_batch_size:,}–{self.max_batch_size:,} rows, aiming at {self.target_batch_ms} ms"
@@ -437,10 +447,8 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
     if out["target_chunk_ms"] < MIN_TARGET_CHUNK_MS:
         raise fail("target_chunk_time", f"must be at least 1s, got {policy.target_chunk_ms!r}")
     out["max_duty_cycle"] = _duty_cycle(fail, policy.max_duty_cycle)
-    wal = policy.wal_compression.lower() if isinstance(policy.wal_compression, str) else policy.wal_compression
-    if wal not in WAL_COMPRESSION:
-        raise fail("wal_compression", f"must be one of {', '.join(WAL_COMPRESSION)}, got {policy.wal_compression!r}")
-    out["wal_compression"] = wal
+    out["wal_compression"] = _setting(fail, "wal_compression", policy.wal_compression, WAL_COMPRESSION)
+    out["synchronous_commit"] = _setting(fail, "synchronous_commit", policy.synchronous_commit, SYNCHRONOUS_COMMIT)
     out["lock_timeout_ms"] = convert("lock_timeout", parse_timeout_ms, policy.lock_timeout_ms)
     out["statement_timeout_ms"] = convert("statement_timeout", parse_timeout_ms, policy.statement_timeout_ms)
     if not isinstance(policy.dry_run, bool):
@@ -501,6 +509,16 @@ def _ms_or_off(value: object) -> int:
     if value in (0, "0", "off"):
         return 0
     return parse_timeout_ms(value)
+
+
+def _setting(fail: Any, name: str, value: object, allowed: tuple[str, ...]) -> str:
+    """A server setting's value among ``allowed``; YAML reads a bare ``off`` as false and ``on`` as true."""
+    if isinstance(value, bool):
+        value = "on" if value else "off"
+    chosen = value.lower() if isinstance(value, str) else value
+    if chosen not in allowed:
+        raise fail(name, f"must be one of {', '.join(allowed)}, got {value!r}")
+    return str(chosen)
 
 
 def _duty_cycle(fail: Any, value: object) -> float:

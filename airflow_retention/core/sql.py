@@ -233,6 +233,19 @@ def block_sample_statement(policy: RetentionPolicy, target: TargetInfo, relation
     )
 
 
+def eligible_spans_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName | None = None) -> str:
+    """Eligible rows per span of ``%(span)s`` consecutive blocks, counted exactly: the block planner's map
+    of the blocks a run must read, when a selective cutoff lets the server reach the eligible rows
+    through an index (the planner asks ``EXPLAIN`` first) instead of reading the table (or ``relation``,
+    a leaf partition)."""
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    return (
+        f"SELECT (ctid::text::point)[0]::bigint / %(span)s::bigint AS span, count(*)"
+        f" FROM {(relation or policy.table).sql}"
+        f"\nWHERE {pred}\nGROUP BY 1 ORDER BY 1"
+    )
+
+
 # The table's size in blocks now, the server's estimate of its rows (reltuples), the server's version.
 BLOCK_COUNT = (
     "SELECT pg_relation_size(%(rel)s::regclass) / current_setting('block_size')::bigint,"

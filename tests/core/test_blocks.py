@@ -14,7 +14,17 @@ from airflow_retention.core.errors import PolicyError
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.planner import compute_plan, plan_run
 from airflow_retention.core.sql import batch_statement
-from tests.core.helpers import CUTOFF, create_events, eligible_ids, fill_events, ids, make_policy, rows, scalar
+from tests.core.helpers import (
+    CUTOFF,
+    ELIGIBLE,
+    create_events,
+    eligible_ids,
+    fill_events,
+    ids,
+    make_policy,
+    rows,
+    scalar,
+)
 
 ROWS = 40_000
 
@@ -207,3 +217,109 @@ def test_a_small_purge_of_an_appended_table_is_one_chunk_and_still_covers_its_ta
     run_chunk(conn, policy, plan.cutoff, chunk)
     assert set(eligible_ids(admin, name)) == eligible_before - {i for i in eligible_before if i <= 100000} - inside
     assert set(eligible_ids(admin, name)) == set(block_of) - inside
+
+
+# Index-bounded block chunks: a nightly purge of a table much larger than its day of eligible rows.
+NIGHTLY_ROWS = 60_000
+# Two separate runs of eligible rows (ids 1-1500 and 40001-41500), the rest newer than the cutoff.
+TWO_RUNS = (
+    "%(cutoff)s::timestamptz + CASE WHEN g <= 1500 OR g BETWEEN 40001 AND 41500"
+    " THEN -interval '1 hour' ELSE interval '1 hour' END"
+)
+
+
+def nightly_table(admin: Any, schema: str, created: str = TWO_RUNS, **create: Any) -> str:
+    name = create_events(admin, schema, **create)
+    fill_events(admin, name, NIGHTLY_ROWS, created=created)
+    rows(admin, f"VACUUM ANALYZE {name}")
+    return name
+
+
+def block_of(admin: Any, name: str, where: str) -> set[int]:
+    sql = f"SELECT DISTINCT (ctid::text::point)[0]::bigint FROM {name} WHERE {where}"
+    return {b for (b,) in rows(admin, sql, {"cutoff": CUTOFF})}
+
+
+@pytest.mark.usefixtures("bounded_small")
+def test_a_nightly_purge_reads_only_the_blocks_that_hold_eligible_rows(schema: str, conn: Any, admin: Any) -> None:
+    name = nightly_table(admin, schema)
+    blocks = relation_blocks(admin, name)
+    eligible = set(eligible_ids(admin, name))
+    kept = ids(admin, name) - eligible
+    policy = block_policy(schema, chunk_rows=None)
+    plan = plan_run(conn, policy, CUTOFF)
+    # One chunk's work by time, but two chunks: the blocks between the two runs of rows are in none.
+    assert [(c.lo, c.hi) for c in plan.chunks] == sorted((c.lo, c.hi) for c in plan.chunks)
+    assert len(plan.chunks) == 2
+    assert plan.rows_planned == len(eligible)  # counted, not sampled
+    assert plan.sizing is not None and "bounded by an index" in plan.sizing.reason
+    covered = {b for c in plan.chunks for b in range(c.lo, c.hi)}
+    assert block_of(admin, name, ELIGIBLE) <= covered
+    assert len(covered) < blocks // 4
+    assert not block_of(admin, name, "id BETWEEN 15000 AND 25000") & covered
+    assert plan.chunks[-1].hi < blocks  # the newest blocks hold no eligible row: not read
+    results = [run_chunk(conn, policy, plan.cutoff, chunk) for chunk in plan.chunks]
+    assert sum(r.rows_deleted for r in results) == len(eligible)
+    assert ids(admin, name) == kept
+    assert eligible_ids(admin, name) == []
+
+
+@pytest.mark.usefixtures("bounded_small")
+@pytest.mark.parametrize(
+    ("created", "create"),
+    [
+        pytest.param(TWO_RUNS, {"ts_index": False}, id="no-timestamp-index"),
+        pytest.param(
+            "%(cutoff)s::timestamptz + CASE WHEN mod(g, 3) = 0 THEN -interval '1 hour' ELSE interval '1 hour' END",
+            {},
+            id="eligible-rows-in-every-block",
+        ),
+    ],
+)
+def test_without_an_index_to_use_the_plan_covers_every_block(
+    schema: str, conn: Any, admin: Any, created: str, create: dict[str, Any]
+) -> None:
+    name = nightly_table(admin, schema, created, **create)
+    plan = compute_plan(conn, block_policy(schema), CUTOFF)
+    assert plan.chunks[0].lo == 0
+    assert all(a.hi == b.lo for a, b in zip(plan.chunks, plan.chunks[1:], strict=False))
+    assert plan.chunks[-1].hi == relation_blocks(admin, name)
+    assert plan.sizing is not None and "bounded" not in plan.sizing.reason
+
+
+@pytest.mark.usefixtures("bounded_small")
+def test_a_slow_count_through_the_index_falls_back_to_every_block(
+    schema: str, conn: Any, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_retention.core import planner
+
+    name = nightly_table(admin, schema)
+    monkeypatch.setattr(planner, "BOUNDED_TIMEOUT_MS", 50)
+    # 0.1 ms per eligible row the index finds: the 3,000 of them take about 0.3 s to count.
+    policy = block_policy(schema, condition="status <> 'open' AND pg_sleep(0.0001) IS NOT NULL")
+    plan = compute_plan(conn, policy, CUTOFF)
+    assert (plan.chunks[0].lo, plan.chunks[-1].hi) == (0, relation_blocks(admin, name))
+
+
+@pytest.mark.usefixtures("bounded_small")
+def test_nothing_eligible_by_the_index_is_a_run_of_no_chunk(schema: str, conn: Any, admin: Any) -> None:
+    name = nightly_table(admin, schema, "%(cutoff)s::timestamptz + interval '1 hour'")
+    policy = block_policy(schema)
+    plan = plan_run(conn, policy, CUTOFF)
+    assert plan.chunks == [] and plan.rows_planned == 0
+    assert plan.sizing is not None and plan.sizing.reason.endswith("nothing eligible: no chunk")
+    run = Ledger(policy.ledger_schema).get_run(admin, plan.run_key)
+    assert run is not None and run["state"] == "complete"
+    assert scalar(admin, f"SELECT count(*) FROM {name}") == NIGHTLY_ROWS
+
+
+def test_bounded_ranges_cut_at_long_gaps_and_at_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_retention.core import planner
+
+    monkeypatch.setattr(planner, "BOUNDED_GAP_BLOCKS", 10)
+    spans = [(0, 4, 5), (4, 8, 5), (16, 20, 5), (40, 44, 5), (44, 48, 5)]
+    # A gap of 8 blocks is read; one of 20 is not.
+    assert planner.bounded_ranges(spans, 100) == [(0, 20, 15), (40, 48, 10)]
+    # Cut at the size too; the blocks between two cut ranges hold no eligible row.
+    assert planner.bounded_ranges(spans, 10) == [(0, 8, 10), (16, 20, 5), (40, 48, 10)]
+    assert planner.bounded_ranges([], 10) == []

@@ -870,6 +870,10 @@ def test_batches_write_compressed_full_page_images_when_told(schema: str, conn: 
     for setting in ("off", method):
         table = create_events(admin, schema, f"events_{setting}")
         fill_events(admin, table, 20_000)
+        # Rows of repetitive text, as logs and JSON are: the images compress far below the threshold
+        # below, so that other sessions' WAL written meanwhile (the WAL is the server's) cannot close it.
+        rows(admin, f"UPDATE {table} SET payload = repeat('retention ' || mod(id, 10), 40)")
+        rows(admin, f"VACUUM FULL {table}")
         policy = make_policy(
             schema,
             name=f"purge_{setting}",
@@ -884,5 +888,43 @@ def test_batches_write_compressed_full_page_images_when_told(schema: str, conn: 
             run_chunk(conn, policy, plan.cutoff, chunk)
         wal[setting] = int(scalar(admin, "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %(b)s::pg_lsn)", {"b": before}))
         assert eligible_ids(admin, table) == []
-    # About 0.4x with lz4 on these rows; the WAL is the whole server's, so leave room for others' writes.
     assert wal[method] < 0.7 * wal["off"], wal
+
+
+@pytest.mark.parametrize(("setting", "in_batches"), [("off", "off"), ("server", "on")])
+def test_batches_commit_asynchronously_and_the_chunks_completion_durably(
+    schema: str, conn: Any, admin: Any, setting: str, in_batches: str
+) -> None:
+    """With ``synchronous_commit: off`` every batch commits without waiting for its WAL; the transaction
+    that completes the chunk commits with the server's setting (``on`` here), so that a chunk reported
+    done survives a crash."""
+    assert scalar(admin, "SELECT setting FROM pg_catalog.pg_settings WHERE name = 'synchronous_commit'") == "on"
+    table = create_events(admin, schema)
+    fill_events(admin, table, 12_000)
+    policy = make_policy(schema, synchronous_commit=setting, batch_size=1000, max_batch_size=1000)
+    plan = plan_run(conn, policy, CUTOFF)
+    # What the batches' DELETEs and the completing ledger writes saw, recorded by triggers of the test's own.
+    rows(admin, f'CREATE TABLE "{schema}".seen (what text, setting text)')
+    rows(
+        admin,
+        f'CREATE FUNCTION "{schema}".note() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN'
+        f" INSERT INTO \"{schema}\".seen VALUES (TG_ARGV[0], current_setting('synchronous_commit'));"
+        " RETURN NULL; END $$",
+    )
+    rows(
+        admin,
+        f"CREATE TRIGGER seen_delete AFTER DELETE ON {table} FOR EACH STATEMENT"
+        f" EXECUTE FUNCTION \"{schema}\".note('delete')",
+    )
+    rows(
+        admin,
+        f'CREATE TRIGGER seen_complete AFTER UPDATE ON "{policy.ledger_schema}".chunks FOR EACH ROW'
+        f" WHEN (NEW.state = 'complete' AND OLD.state <> 'complete') EXECUTE FUNCTION \"{schema}\".note('complete')",
+    )
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, plan.cutoff, chunk)
+    assert eligible_ids(admin, table) == []
+    seen = rows(admin, f'SELECT what, setting, count(*) FROM "{schema}".seen GROUP BY 1, 2 ORDER BY 1, 2')
+    batches = sum(n for what, _, n in seen if what == "delete")
+    assert batches > len(plan.chunks)  # several batches per chunk
+    assert seen == [("complete", "on", len(plan.chunks)), ("delete", in_batches, batches)]

@@ -309,3 +309,26 @@ def test_an_expired_partition_with_a_row_without_tenant_is_not_dropped(schema: s
         scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at < %(c)s AND tenant_id IS NOT NULL", {"c": CUTOFF})
         == 0
     )
+
+
+@pytest.mark.usefixtures("bounded_small")
+def test_the_straddling_leaf_is_read_only_where_its_eligible_rows_are(schema: str, conn: Any, admin: Any) -> None:
+    # A monthly partition purged daily: the cutoff (June 1, 12:00) leaves half a day of June eligible.
+    table = create_monthly(admin, schema, rows_per_month=40_000)
+    june = f'"{schema}"."m06"'
+    rows(admin, f"VACUUM ANALYZE {table}")
+    june_blocks = scalar(admin, f"SELECT pg_relation_size('{june}') / current_setting('block_size')::int")
+    in_june = scalar(admin, f"SELECT count(*) FROM {june} WHERE created_at < %(c)s", {"c": CUTOFF})
+    june_rows = scalar(admin, f"SELECT count(*) FROM {june}")
+    policy = policy_for(schema, expired_partitions="drop", chunk_rows=None)
+    preview = compute_plan(conn, policy, CUTOFF)
+    assert preview.partitions is not None
+    (decision,) = [d for d in preview.partitions if d.relation.table.name == "m06"]
+    assert (decision.action, decision.rows) == ("delete rows", in_june)
+    assert decision.reason.startswith("bounded by an index")
+    plan, _ = purge(conn, policy)
+    (chunk,) = [c for c in plan.chunks if c.partition == f"{schema}.m06"]
+    assert chunk.rows_planned == in_june > 0  # counted, not sampled
+    assert chunk.lo == 0 and chunk.hi < june_blocks // 4
+    assert eligible_count(admin, table) == 0
+    assert scalar(admin, f"SELECT count(*) FROM {june}") == june_rows - in_june

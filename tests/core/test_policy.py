@@ -399,3 +399,19 @@ def test_repository_policies_file_loads() -> None:
             60000,
         )
         assert policy.chunk_rows >= policy.batch_size
+
+
+@pytest.mark.parametrize(
+    ("written", "read"),
+    [(False, "off"), (True, "on"), ("OFF", "off"), ("server", "server"), ("remote_apply", "remote_apply")],
+)
+def test_synchronous_commit_reads_yamls_bare_off_and_on(written: object, read: str) -> None:
+    assert build().synchronous_commit == "off"
+    assert build(synchronous_commit=written).synchronous_commit == read
+
+
+@pytest.mark.parametrize(("field", "bad"), [("synchronous_commit", "sometimes"), ("wal_compression", "gzip")])
+def test_a_server_setting_outside_its_values_is_refused(field: str, bad: str) -> None:
+    assert "must be one of" in str(refused(field, **{field: bad}))
+    # YAML's bare `off` is the setting's off, not a boolean the field refuses.
+    assert build(wal_compression=False).wal_compression == "off"
