@@ -92,8 +92,9 @@ def set_local_timeouts(
 
 
 def durable_commit(cur: Any) -> None:
-    """The current transaction commits with the session's own ``synchronous_commit`` (the server's,
-    role's or connection's), whatever a batch set: the commit that records a chunk complete."""
+    """The current transaction commits with the session's own ``synchronous_commit`` (from the server's
+    configuration, ``ALTER ROLE``/``DATABASE … SET`` or the connection's options; a plain session
+    ``SET`` is not kept), not the ``off`` a batch set: the commit that records a chunk complete."""
     cur.execute("SET LOCAL synchronous_commit TO DEFAULT")
 
 

@@ -221,7 +221,8 @@ def run_chunk(
                             gone,
                         )
                         outcome = "deleted" if earlier_deleted else "partition_gone"
-                        dbapi.durable_commit(cur)
+                        if sync == "off":
+                            dbapi.durable_commit(cur)
                         ledger.complete_chunk(
                             cur, key, chunk, attempt, outcome=outcome, first_batch_of_attempt=result.batches == 0
                         )
@@ -279,7 +280,7 @@ def run_chunk(
                         total = earlier_deleted + deleted
                         outcome = "dry_run" if policy.dry_run else ("deleted" if total else "nothing_to_delete")
                     backoffs, backoff_s = throttler.take()
-                    if exhausted and sync is not None:
+                    if exhausted and sync == "off":
                         # The chunk's receipt is durable once reported, and with it every batch before it.
                         dbapi.durable_commit(cur)
                     ledger.record_batch(

@@ -21,6 +21,7 @@ runs completes that chunk with 0 rows (``core/engine.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -180,7 +181,9 @@ class PartitionPlan:
 
 def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs) -> PartitionPlan:
     """Read the tree and decide what becomes of each partition (nothing is written)."""
-    from airflow_retention.core.planner import index_bounded_blocks, sample_blocks
+    from airflow_retention.core.planner import index_bounded_blocks, measured_rate, sample_blocks
+
+    rate: float | None = None  # block chunks' measured rate, read once, for the first leaf that needs it
 
     tree = read_tree(conn, policy)
     flags = time_bounds(conn, policy, target, cutoffs, tree)
@@ -250,7 +253,12 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
         percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, leaf.table, leaf.reltuples)
         estimate = round(sum(n for _, n in sampled) * scale)
         blocks = int(leaf.blocks)
-        bounded = index_bounded_blocks(conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table)
+        if rate is None:
+            measured = measured_rate(conn, policy, blocks=True)
+            rate = (measured.blocks_per_s if measured else None) or 0.0
+        bounded = index_bounded_blocks(
+            conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table, blocks_per_s=rate or None
+        )
         if bounded is not None:
             if bounded.rows == 0:
                 decisions.append(PartitionDecision(leaf, "skip", 0, "no eligible row"))
@@ -331,11 +339,22 @@ def split_leaves(leaves: Iterable[RowLeaf], size: int) -> list[list[tuple[int, i
 
 
 def fit(leaves: list[RowLeaf], chunk_rows: int, budget: int) -> tuple[int, list[list[tuple[int, int, int]]]]:
-    """The smallest chunk size from ``chunk_rows`` up whose block chunks of every leaf fit ``budget``."""
+    """The smallest chunk size from ``chunk_rows`` up whose block chunks of every leaf fit ``budget``
+    (the caller keeps the leaves at most ``budget``: one chunk each always fits)."""
     total = sum(leaf.estimate for leaf in leaves)
     size = max(chunk_rows, math.ceil(total / max(budget, 1)) if total else chunk_rows)
     while True:
         ranges = split_leaves(leaves, size)
         if sum(len(r) for r in ranges) <= budget:
             return size, ranges
+        if size > total and any(leaf.bounded is not None for leaf in leaves):
+            # The runs of an index-bounded leaf far apart stay separate chunks however large chunks get:
+            # past one chunk's worth of every row, plan those leaves over every block instead.
+            log.info(
+                "%d chunk(s) of index-bounded block ranges exceed the %d left: every block of each leaf is planned",
+                sum(len(r) for r in ranges),
+                budget,
+            )
+            leaves = [dataclasses.replace(leaf, bounded=None) for leaf in leaves]
+            continue
         size = math.ceil(size * 1.25)

@@ -201,8 +201,9 @@ class RetentionPolicy:
     :param synchronous_commit: ``synchronous_commit`` of the batch transactions. ``"off"`` (the default):
         a batch's commit does not wait for its WAL to reach disk (or a synchronous standby); a server
         crash can undo the last batches committed before it (about 3 x ``wal_writer_delay``), each
-        together with its ledger row, so the retry deletes those rows again. The transaction that
-        completes a chunk commits with the server's setting, so that a chunk reported done is durable.
+        together with its ledger row, so the retry deletes those rows again. With ``"off"`` the
+        transaction that completes a chunk commits with the server's setting, so that a chunk reported
+        done is durable.
         ``"server"`` leaves the server's setting for every batch; ``"on"``, ``"local"``,
         ``"remote_write"``, ``"remote_apply"`` set that value (any role may).
     :param lock_timeout_ms: (YAML ``lock_timeout``) ``lock_timeout`` set in every batch transaction

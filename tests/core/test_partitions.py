@@ -332,3 +332,28 @@ def test_the_straddling_leaf_is_read_only_where_its_eligible_rows_are(schema: st
     assert chunk.lo == 0 and chunk.hi < june_blocks // 4
     assert eligible_count(admin, table) == 0
     assert scalar(admin, f"SELECT count(*) FROM {june}") == june_rows - in_june
+
+
+def test_index_bounded_leaves_past_the_chunk_budget_are_planned_over_every_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow_retention.core import planner
+    from airflow_retention.core.identifiers import TableName
+    from airflow_retention.core.partitions import Relation, RowLeaf, fit
+    from airflow_retention.core.planner import BoundedBlocks
+
+    monkeypatch.setattr(planner, "BOUNDED_GAP_BLOCKS", 10)
+
+    def leaf(oid: int) -> RowLeaf:
+        relation = Relation(oid, 1, 1, False, "r", TableName("s", f"p{oid}"), None, 1000, 50_000.0, None, None)
+        # Three runs of rows far apart: three chunks at any chunk size.
+        spans = [(0, 16, 100), (400, 416, 100), (900, 916, 100)]
+        return RowLeaf(relation, [(0, 5), (450, 5)], 10.0, 300, BoundedBlocks(spans=spans, blocks=48, rows=300))
+
+    # Two leaves, a budget of 4 chunks: the bounded ranges need 6, so both leaves cover every block.
+    _, ranges = fit([leaf(2), leaf(3)], 1000, 4)
+    assert sum(len(r) for r in ranges) <= 4
+    assert all(r[0][0] == 0 and r[-1][1] == 1000 for r in ranges)
+    # With room for them the runs stay apart.
+    _, ranges = fit([leaf(2), leaf(3)], 1000, 6)
+    assert ranges[0] == [(0, 16, 100), (400, 416, 100), (900, 916, 100)]
