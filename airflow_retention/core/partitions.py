@@ -179,11 +179,18 @@ class PartitionPlan:
     decisions: list[PartitionDecision]
 
 
-def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs) -> PartitionPlan:
-    """Read the tree and decide what becomes of each partition (nothing is written)."""
-    from airflow_retention.core.planner import index_bounded_blocks, measured_rate, sample_blocks
+def survey(
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    cutoffs: TenantCutoffs,
+    blocks_per_s: float | None = None,
+) -> PartitionPlan:
+    """Read the tree and decide what becomes of each partition (nothing is written).
 
-    rate: float | None = None  # block chunks' measured rate, read once, for the first leaf that needs it
+    :param blocks_per_s: the policy's measured rate of block chunks (timing the leaves' exact counts).
+    """
+    from airflow_retention.core.planner import index_bounded_blocks, sample_blocks
 
     tree = read_tree(conn, policy)
     flags = time_bounds(conn, policy, target, cutoffs, tree)
@@ -253,11 +260,8 @@ def survey(conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: Tena
         percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, leaf.table, leaf.reltuples)
         estimate = round(sum(n for _, n in sampled) * scale)
         blocks = int(leaf.blocks)
-        if rate is None:
-            measured = measured_rate(conn, policy, blocks=True)
-            rate = (measured.blocks_per_s if measured else None) or 0.0
         bounded = index_bounded_blocks(
-            conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table, blocks_per_s=rate or None
+            conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table, blocks_per_s=blocks_per_s
         )
         if bounded is not None:
             if bounded.rows == 0:

@@ -615,6 +615,7 @@ def index_bounded_blocks(
         )
         return None
     spans = [(index * span, (index + 1) * span, n) for index, n in counted]
+    # What the run reads: the ranges of a cut by gaps alone (a size above every row never cuts).
     covered = sum(hi - lo for lo, hi, _ in bounded_ranges(spans, sum(n for _, _, n in spans) + 1))
     if covered > BOUNDED_MAX_SHARE * blocks:
         log.info(
@@ -736,7 +737,8 @@ def _plan_partitioned(
 
     (server,) = dbapi.fetch_all(conn, "SELECT current_setting('server_version_num')::integer")[0]
     _require_tid_ranges(policy, server)
-    survey_ = survey(conn, policy, target, cutoffs)
+    rate = measured_rate(conn, policy, blocks=True)
+    survey_ = survey(conn, policy, target, cutoffs, rate.blocks_per_s if rate else None)
     cutoff = cutoffs.cutoff
     actions = survey_.actions[:max_chunks]
     leaves = survey_.row_leaves
@@ -772,7 +774,7 @@ def _plan_partitioned(
     if leaves:
         blocks = sum(leaf.blocks_to_read for leaf in leaves)
         rows = sum(leaf.estimate for leaf in leaves)
-        sizing = size_chunks(policy, rows, blocks, measured_rate(conn, policy, blocks=True), max(budget, 1))
+        sizing = size_chunks(policy, rows, blocks, rate, max(budget, 1))
     size, ranges = fit(leaves, sizing.chunk_rows, budget) if sizing else (policy.chunk_rows or 0, [])
     for leaf, leaf_ranges in zip(leaves, ranges, strict=True):
         for lo, hi, rows in leaf_ranges:

@@ -226,11 +226,7 @@ def block_sample_statement(policy: RetentionPolicy, target: TargetInfo, relation
     """Eligible rows per block in a repeatable sample of ``%(percent)s`` % of the blocks of the table (or
     of ``relation``, a leaf partition): the block planner's estimate of where the eligible rows are,
     without reading the table."""
-    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
-    return (
-        f"SELECT (ctid::text::point)[0]::bigint AS block, count(*) FROM {(relation or policy.table).sql}"
-        f" TABLESAMPLE SYSTEM (%(percent)s::float8) REPEATABLE (0)\nWHERE {pred}\nGROUP BY 1 ORDER BY 1"
-    )
+    return _eligible_per_block(policy, target, relation, "", " TABLESAMPLE SYSTEM (%(percent)s::float8) REPEATABLE (0)")
 
 
 def eligible_spans_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName | None = None) -> str:
@@ -238,10 +234,16 @@ def eligible_spans_statement(policy: RetentionPolicy, target: TargetInfo, relati
     of the blocks a run must read, when a selective cutoff lets the server reach the eligible rows
     through an index (the planner asks ``EXPLAIN`` first) instead of reading the table (or ``relation``,
     a leaf partition)."""
+    return _eligible_per_block(policy, target, relation, " / %(span)s::bigint", "")
+
+
+def _eligible_per_block(
+    policy: RetentionPolicy, target: TargetInfo, relation: TableName | None, per: str, sample: str
+) -> str:
+    """Eligible rows grouped by their block number (``per``: divided into spans), in block order."""
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
     return (
-        f"SELECT (ctid::text::point)[0]::bigint / %(span)s::bigint AS span, count(*)"
-        f" FROM {(relation or policy.table).sql}"
+        f"SELECT (ctid::text::point)[0]::bigint{per}, count(*) FROM {(relation or policy.table).sql}{sample}"
         f"\nWHERE {pred}\nGROUP BY 1 ORDER BY 1"
     )
 
