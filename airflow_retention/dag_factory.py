@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import DAG, TaskGroup
+from airflow.sdk import DAG, BaseOperator, TaskGroup
 
-from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF
+from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF, AirflowFailException
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy import DAG_ID_PREFIX, RetentionPolicy, load_policies_lenient
+from airflow_retention.core.policy import _NAME, DAG_ID_PREFIX, RetentionPolicy, load_policies_lenient
 from airflow_retention.operators.retention import (
     CHUNK_LABEL_TEMPLATE,
     RetentionChunkOperator,
@@ -19,6 +20,8 @@ from airflow_retention.operators.retention import (
     RetentionVacuumOperator,
 )
 from airflow_retention.sensors.retention import RetentionCompleteSensor
+
+log = logging.getLogger(__name__)
 
 
 def task_defaults(policy: RetentionPolicy) -> dict[str, Any]:
@@ -86,8 +89,10 @@ def retention_task_group(
 
 
 def build_dag(policy: RetentionPolicy, *, dag_id: str | None = None, **group_kwargs: Any) -> DAG:
-    """One DAG for one policy: its schedule, ``max_active_runs=1`` (two runs never purge one table at
-    once), catchup off unless the policy says so, retries with backoff, and the policy as ``doc_md``."""
+    """One DAG for one policy: its schedule, ``max_active_runs=1`` (no second scheduled or manual run while
+    one runs; a backfill's runs are counted apart and may run beside it, which stays correct: every row is
+    deleted and counted once, docs/concepts.md), catchup off unless the policy says so, retries with
+    backoff, and the policy as ``doc_md``."""
     with DAG(
         dag_id=dag_id or f"{DAG_ID_PREFIX}{policy.name}",
         schedule=policy.schedule,
@@ -103,38 +108,94 @@ def build_dag(policy: RetentionPolicy, *, dag_id: str | None = None, **group_kwa
     return dag
 
 
-class _InvalidPoliciesDag(DAG):
-    """Stands in for the DAGs of invalid policies: Airflow validates every DAG of a file separately and
-    records a failing one as an import error of the file while the file's other DAGs still load."""
+# The DAG of an unreadable policies file, and of the entries that cannot be named by a DAG id of their own.
+INVALID_POLICIES_DAG_ID = f"{DAG_ID_PREFIX}invalid_policies"
+INVALID_TAGS = ["retention", "invalid"]
 
-    def validate(self) -> None:
-        raise PolicyError(None, None, self.doc_md or "invalid retention policy")
+
+class InvalidPolicyOperator(BaseOperator):
+    """The one task of an invalid policy's DAG: fails at once, never retried, with the policy's error."""
+
+    ui_color = "#f4a6a6"
+
+    def __init__(self, *, message: str, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "retries": 0})
+        self.message = message
+
+    def execute(self, context: Any) -> None:
+        raise AirflowFailException(self.message)
+
+
+def invalid_policy_dag(dag_id: str, messages: list[str]) -> DAG:
+    """A DAG that stands for invalid policies: no schedule, tags ``retention`` and ``invalid``, the errors
+    as its description and doc, and one task that fails at once with them.
+
+    Why a DAG and not an import error: Airflow 3's dag-processor marks every DAG of a file with an import
+    error stale, so one typo would stop every policy of the file. This DAG keeps the file importable,
+    shows the error where an operator looks (the Dags page, the DAG's doc, the REST API), and makes any
+    trigger of it fail with the error; the policy's own DAG comes back under the same id once it is fixed.
+    """
+    message = "; ".join(messages)
+    doc = "\n".join(f"    {line}" for line in "\n\n".join(messages).splitlines())
+    with DAG(
+        dag_id=dag_id,
+        schedule=None,
+        catchup=False,
+        max_active_runs=1,
+        tags=INVALID_TAGS,
+        description=f"Retention policy error: {message}",
+        doc_md=(
+            "**Invalid retention policy: nothing is deleted for it until the policies file is fixed.**\n\n"
+            f"{doc}\n\n"
+            "The dag-processor re-reads the file at its next parse; this DAG then becomes the policy's own DAG "
+            "again. Triggering this DAG fails at once with the error above."
+        ),
+    ) as dag:
+        InvalidPolicyOperator(task_id="policy_error", message=message)
+    return dag
 
 
 def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError] = ()) -> dict[str, DAG]:
-    """DAGs keyed by id, for a DAG file's ``globals().update(...)``; invalid policies become one import
-    error that names each policy and field."""
-    dags = {}
-    problems = [str(e) for e in errors]
+    """DAGs keyed by id, for a DAG file's ``globals().update(...)``.
+
+    Each invalid policy becomes a DAG of its own under its usual id ``retention_<name>``
+    (:func:`invalid_policy_dag`), whose task fails at once with the error naming the policy and the field;
+    errors without a usable name (an unreadable file, an entry that is not a mapping or has no valid name,
+    a second policy of one name) share ``retention_invalid_policies``. Nothing here raises: a DAG file never
+    becomes an import error, which would stop the valid policies too. Each error is also logged as a
+    warning, in the dag-processor's log.
+    """
+    dags: dict[str, DAG] = {}
+    problems: list[PolicyError] = list(errors)
     for policy in policies:
         try:
             dag = build_dag(policy)
             dag.validate()  # an invalid cron schedule is only found here
         except Exception as exc:  # noqa: BLE001 - report it with the policy's name, keep the other DAGs
-            problems.append(str(PolicyError(policy.name, None, f"cannot build its DAG: {exc}")))
+            problems.append(PolicyError(policy.name, None, f"cannot build its DAG: {exc}"))
             continue
         dags[dag.dag_id] = dag
-    if problems:
-        bad = _InvalidPoliciesDag(
-            dag_id=f"{DAG_ID_PREFIX}invalid_policies",
-            schedule=None,
-            doc_md="; ".join(problems),
-        )
-        dags[bad.dag_id] = bad
+    bad: dict[str, list[str]] = {}
+    for problem in problems:
+        log.warning("invalid retention policy: %s", problem)
+        name = problem.policy
+        dag_id = f"{DAG_ID_PREFIX}{name}" if isinstance(name, str) and _NAME.match(name) else None
+        if dag_id is None or dag_id in dags:  # no usable name, or the id of a valid policy of the same name
+            dag_id = INVALID_POLICIES_DAG_ID
+        bad.setdefault(dag_id, []).append(str(problem))
+    if INVALID_POLICIES_DAG_ID in bad and INVALID_POLICIES_DAG_ID in dags:  # a valid policy named invalid_policies
+        bad[f"{INVALID_POLICIES_DAG_ID}_entries"] = bad.pop(INVALID_POLICIES_DAG_ID)
+    for dag_id, messages in bad.items():
+        dags[dag_id] = invalid_policy_dag(dag_id, messages)
     return dags
 
 
 def build_dags_from_yaml(path: str | Path) -> dict[str, DAG]:
-    """Every policy of a YAML file as a DAG; bad policies are reported as an import error."""
-    policies, errors = load_policies_lenient(path)
+    """Every policy of a YAML file as a DAG; each bad policy becomes a DAG that shows its error (see
+    :func:`build_dags`). A file that cannot be read at all has no good policy: it becomes the one DAG
+    ``retention_invalid_policies`` with the reason, still no import error."""
+    try:
+        policies, errors = load_policies_lenient(path)
+    except PolicyError as exc:
+        return build_dags([], [exc])
     return build_dags(policies, errors)

@@ -39,13 +39,12 @@ if {"audit_log", "webhook_deliveries"} <= set(policies):
             return f"webhook purge: {purge['rows_deleted']} row(s) in {purge['batches']} batch(es)"
 
         audit = retention_task_group(policies["audit_log"], group_id="purge_audit_log")
-        # A lone chunk with a ledger run of its own ("...#lone"): the whole table, as the policy chunks by
-        # blocks (lo/hi are block numbers; the range stops at the table's last block).
+        # A lone chunk with a ledger run of its own ("...#lone"): the whole table, as a range of its blocks
+        # (it stops at the table's last block).
         webhooks = RetentionChunkOperator(
             task_id="purge_old_webhooks",
             policy=policies["webhook_deliveries"],
-            lo=0,
-            hi=2**62,
+            blocks=(0, 2**62),
         )
         export_daily_report() >> audit >> webhooks
         notify(webhooks.output)

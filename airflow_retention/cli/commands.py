@@ -110,7 +110,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CliError("--max-chunks must be at least 1")
     target = target_for(policy, args.dsn)
     with connect(target.dsn) as conn:
-        preview = compute_plan(conn, policy, cutoff, max_chunks=args.max_chunks)
+        # The run's date itself, not one rebuilt from the cutoff: per-tenant cutoffs are frozen from it.
+        run_date = parse_instant(args.date, "--date") if args.date else None
+        preview = compute_plan(conn, policy, cutoff, max_chunks=args.max_chunks, run_date=run_date)
         ledger = Ledger(policy.ledger_schema)
         stored = ledger.get_run(conn, preview.run_key) if ledger.version(conn) is not None else None
     if args.json:
@@ -142,6 +144,10 @@ def plan_json(policy: Any, preview: Any, stored: dict[str, Any] | None, date: st
         "sizing": preview.sizing.to_dict() if preview.sizing is not None else None,
         "tenant_groups": preview.tenant_groups,
         "null_timestamps": preview.null_timestamps,
+        "tenant_cutoffs": [
+            {"tenant": t, "retention": r, "cutoff": iso(c), "source": s}
+            for t, r, c, s in (preview.tenant_cutoffs.overrides if preview.tenant_cutoffs is not None else ())
+        ],
         "stored_run": None
         if stored is None
         else {
@@ -261,6 +267,7 @@ def verify_json(
         "chunks_expected": verification.expected,
         "chunks_complete": verification.complete,
         "missing": list(verification.missing),
+        "dead_letters": list(verification.left),
         "rows_deleted": verification.rows_deleted,
         "description": verification.describe(),
         "incomplete_chunks": [

@@ -60,8 +60,8 @@ def policies_path(explicit: str | None) -> Path | None:
 
 
 def load_policies(explicit: str | None) -> list[Any]:
-    """Every valid policy of the file; the bad ones are reported on stderr (as the DAG file reports them as
-    import errors) and left out. No file at all is an error."""
+    """Every valid policy of the file; the bad ones are reported on stderr (the DAG file shows each as a
+    failing DAG of its own) and left out. No file at all is an error."""
     from airflow_retention.core.errors import PolicyError
     from airflow_retention.core.policy import load_policies_lenient
 

@@ -16,11 +16,29 @@ log = logging.getLogger(__name__)
 _INTEGER_TYPES = {"smallint", "integer", "bigint"}
 _TIMESTAMP_TYPES = {"timestamp with time zone", "timestamp without time zone"}
 
+# Each column's type twice: without its modifier, to check what kind of type it is ("character", "timestamp
+# with time zone" whatever its length or precision), and exactly as declared, to cast values to it
+# ("character(4)": format_type(atttypid, NULL) would give "character", which a cast reads as char(1)).
 _COLUMNS_SQL = """
-SELECT a.attname, format_type(a.atttypid, NULL), a.attnum
+SELECT a.attname, format_type(a.atttypid, NULL), a.attnum, format_type(a.atttypid, a.atttypmod)
 FROM pg_catalog.pg_attribute a
 WHERE a.attrelid = %(rel)s::regclass AND a.attnum > 0 AND NOT a.attisdropped
 ORDER BY a.attnum
+"""
+
+# A column's type down to the base of its domains (domains over domains included): its schema-qualified
+# name, which casts read without a modifier, and its category ('A': an array).
+_BASE_TYPE_SQL = """
+WITH RECURSIVE d AS (
+    SELECT t.oid, t.typbasetype FROM pg_catalog.pg_type t
+    JOIN pg_catalog.pg_attribute a ON a.atttypid = t.oid
+    WHERE a.attrelid = %(rel)s::regclass AND a.attname = %(col)s
+  UNION ALL
+    SELECT t.oid, t.typbasetype FROM pg_catalog.pg_type t JOIN d ON t.oid = d.typbasetype
+)
+SELECT format('%%I.%%I', n.nspname, t.typname), t.typcategory::text
+FROM d JOIN pg_catalog.pg_type t ON t.oid = d.oid JOIN pg_catalog.pg_namespace n ON n.oid = t.typnamespace
+WHERE d.typbasetype = 0
 """
 
 # The leading columns of every valid index on the table, plus whether it is unique.
@@ -42,12 +60,18 @@ class TargetInfo:
     """The facts about the target table that shape the SQL the engine runs."""
 
     timestamp_has_tz: bool
+    # The tenant column's type as declared, modifier included (character(4), numeric(10,2), a domain):
+    # values are cast to it so that rows are compared as stored.
     tenant_type: str | None
     columns: tuple[str, ...]
     warnings: tuple[str, ...] = field(default_factory=tuple)
     partitioned: bool = False
     # The value the batch transactions give wal_compression (SET LOCAL); None: the server's own.
     wal_compression: str | None = None
+    # The tenant column's underlying type without any modifier (of a domain: its base type), schema-
+    # qualified so that a cast never reads a default length into it (pg_catalog.bpchar): a tenant
+    # value must equal itself cast to ``tenant_type``, or the column would store another value.
+    tenant_base_type: str | None = None
 
 
 _KINDS = {"v": "a view", "m": "a materialized view", "f": "a foreign table", "S": "a sequence", "i": "an index"}
@@ -105,8 +129,10 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
             f"{where}: field 'chunk_by': {policy.table} is a partitioned table; key chunks need a unique index on"
             " the key alone, which a partitioned table cannot have: use chunk_by 'block' (chunks per partition)"
         )
-    columns = {name: typ for name, typ, _ in dbapi.fetch_all(conn, _COLUMNS_SQL, rel)}
-    ordered = tuple(name for name, _, _ in dbapi.fetch_all(conn, _COLUMNS_SQL, rel))
+    described = dbapi.fetch_all(conn, _COLUMNS_SQL, rel)
+    columns = {name: typ for name, typ, _, _ in described}
+    declared = {name: typ for name, _, _, typ in described}
+    ordered = tuple(name for name, _, _, _ in described)
 
     def column_type(field_name: str, column: str) -> str:
         if column not in columns:
@@ -130,7 +156,16 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
             f"{where}: field 'timestamp_column': column {policy.timestamp_column!r} is {ts_type};"
             " it must be timestamptz or timestamp"
         )
-    tenant_type = column_type("tenant_column", policy.tenant_column) if policy.tenant_column else None
+    tenant_type, tenant_base = None, None
+    if policy.tenant_column:
+        column_type("tenant_column", policy.tenant_column)
+        tenant_type = declared[policy.tenant_column]
+        tenant_base, category = dbapi.fetch_all(conn, _BASE_TYPE_SQL, {**rel, "col": policy.tenant_column})[0]
+        if category == "A":
+            raise PermanentError(
+                f"{where}: field 'tenant_column': column {display_name(policy.tenant_column)} is {tenant_type},"
+                " an array; a tenant is one value (text, a number, a uuid, an enum...)"
+            )
 
     indexes = dbapi.fetch_all(conn, _INDEXES_SQL, rel)
     if by_key and not any(unique and nkeys == 1 and cols == [policy.key_column] for unique, nkeys, cols in indexes):
@@ -165,6 +200,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
     if policy.archive_table is not None:
         if not _relation_exists(conn, policy.archive_table):
             raise PermanentError(f"{where}: field 'archive_table': table {policy.archive_table} does not exist")
+        _check_archive_persistence(conn, policy)
         (same,) = dbapi.fetch_all(
             conn,
             "SELECT to_regclass(%(a)s) = to_regclass(%(t)s)",
@@ -176,7 +212,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
                 " itself (through the search_path); rows would be deleted and re-inserted"
             )
         archive_cols = {
-            name for name, _, _ in dbapi.fetch_all(conn, _COLUMNS_SQL, {"rel": policy.archive_table.regclass_literal})
+            name for name, *_ in dbapi.fetch_all(conn, _COLUMNS_SQL, {"rel": policy.archive_table.regclass_literal})
         }
         lacking = [c for c in ordered if c not in archive_cols]
         if lacking:
@@ -192,6 +228,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
         warnings=tuple(warnings),
         partitioned=partitioned,
         wal_compression=batch_wal_compression(conn, policy),
+        tenant_base_type=tenant_base,
     )
     # A partitioned table's leaves are checked by the planner (core/partitions.py): rows are deleted there.
     require_privileges(conn, policy, policy.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
@@ -200,6 +237,27 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
     if policy.condition:
         _check_condition(conn, policy)
     return info
+
+
+# An archive that a crash or the end of a session empties: the rows would be gone from both tables.
+_NOT_DURABLE = {"u": "UNLOGGED (a crash or an immediate shutdown empties it)", "t": "TEMPORARY (its session's own)"}
+
+
+def _check_archive_persistence(conn: Any, policy: RetentionPolicy) -> None:
+    """Refuse an archive table that does not keep its rows as durably as the deletions that fill it: the
+    source rows are deleted for good at commit, so the archive must survive a crash too."""
+    assert policy.archive_table is not None
+    (persistence,) = dbapi.fetch_all(
+        conn,
+        "SELECT c.relpersistence::text FROM pg_catalog.pg_class c WHERE c.oid = %(a)s::regclass",
+        {"a": policy.archive_table.regclass_literal},
+    )[0]
+    if persistence in _NOT_DURABLE:
+        raise PermanentError(
+            f"policy {policy.name!r}: field 'archive_table': {policy.archive_table} is {_NOT_DURABLE[persistence]};"
+            " the deleted rows would be lost with it while their deletion stays: make it a logged table"
+            f" (ALTER TABLE {policy.archive_table.sql} SET LOGGED); nothing was deleted"
+        )
 
 
 def check_detached_schema(conn: Any, policy: RetentionPolicy) -> None:

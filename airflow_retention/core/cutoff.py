@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_retention.core import dbapi
@@ -32,15 +32,58 @@ def freeze_cutoff(policy: RetentionPolicy, anchor: datetime) -> datetime:
     return datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc).replace(microsecond=moment.microsecond)
 
 
-def anchor_of(policy: RetentionPolicy, cutoff: datetime) -> datetime:
-    """The run date a cutoff was frozen from, for callers that have only the cutoff (a lone chunk, the
-    CLI): ``cutoff + retention``. Exact for days and seconds; a month-end date clamped by the
-    subtraction comes back a few days early, so planners pass the run's own date when they have it."""
+def resolve_run_date(policy: RetentionPolicy, cutoff: datetime, run_date: datetime | None = None) -> datetime | None:
+    """The date of the run whose cutoff is ``cutoff``, from which per-tenant cutoffs are frozen.
+
+    Given (the DAG's plan task, a lone chunk without an explicit cutoff, ``airflow-retention plan
+    --date``), it must be the date ``cutoff`` was frozen from. Not given (a caller that has only a
+    cutoff), it is rebuilt as ``cutoff + retention`` only when that is the one date whose cutoff is
+    ``cutoff``: month arithmetic does not round-trip at month ends (2026-03-28 to 03-31 all freeze
+    02-28 with ``1 month``), so there it is None and a per-tenant retention cannot be frozen.
+
+    :raises PermanentError: a run date without a time zone, or one that does not freeze ``cutoff``.
+    """
+    cutoff = as_utc(cutoff)
+    if run_date is not None:
+        if run_date.tzinfo is None:
+            raise PermanentError(f"run date {run_date!r} has no time zone; refusing to guess one")
+        if freeze_cutoff(policy, run_date) != cutoff:
+            raise PermanentError(
+                f"policy {policy.name!r}: run date {format_cutoff(run_date)} minus retention {policy.retention} is"
+                f" {format_cutoff(freeze_cutoff(policy, run_date))}, not the cutoff {format_cutoff(cutoff)}"
+            )
+        return as_utc(run_date)
+    return _only_run_date(policy, cutoff)
+
+
+def _only_run_date(policy: RetentionPolicy, cutoff: datetime) -> datetime | None:
+    """``cutoff + retention`` when it is the only run date whose cutoff is ``cutoff``, else None."""
     import pendulum
 
     r = policy.retention
-    moment = pendulum.instance(as_utc(cutoff)).add(months=r.months, days=r.days, seconds=r.seconds)
-    return datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc)
+    moment = pendulum.instance(cutoff).in_timezone("UTC").add(months=r.months, days=r.days, seconds=r.seconds)
+    candidate = datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc).replace(microsecond=moment.microsecond)
+    if freeze_cutoff(policy, candidate) != cutoff:
+        return None  # a month-end cutoff no run date gives (01-31 with "1 month")
+    # Subtracting months clamps at month ends, so later dates (a whole number of days later, at the same
+    # time of day) may give the same cutoff; with the map monotonic, the next day tells.
+    if r.months and freeze_cutoff(policy, candidate + timedelta(days=1)) == cutoff:
+        return None
+    return candidate
+
+
+def require_run_date(policy: RetentionPolicy, cutoff: datetime, run_date: datetime | None) -> datetime:
+    """The run date of :func:`resolve_run_date`, for freezing per-tenant cutoffs; raises when it cannot
+    be told from ``cutoff`` alone."""
+    resolved = resolve_run_date(policy, cutoff, run_date)
+    if resolved is None:
+        raise PermanentError(
+            f"policy {policy.name!r}: per-tenant retention is frozen from the run's date, and cutoff"
+            f" {format_cutoff(cutoff)} does not tell it (retention {policy.retention} gives that cutoff for"
+            " several run dates, or none, at month ends): give the run's date (airflow-retention plan --date;"
+            " a lone RetentionChunkOperator without cutoff=); nothing was deleted"
+        )
+    return resolved
 
 
 def format_cutoff(cutoff: datetime) -> str:

@@ -16,6 +16,10 @@ from airflow_retention.core.errors import PermanentError, RetryableError
 _RETRYABLE_STATES = {"40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03", "55006"}
 _RETRYABLE_CLASSES = {"08", "53", "58"}
 _PERMANENT_CLASSES = {"0A", "22", "23", "28", "2B", "3D", "3F", "42", "44", "P0"}
+# A write refused by a read-only transaction (a dry run's statement that would have written): a retry
+# would be refused again.
+READ_ONLY_VIOLATION = "25006"
+_PERMANENT_STATES = {READ_ONLY_VIOLATION}
 
 
 def driver_name(conn: Any) -> str:
@@ -42,7 +46,7 @@ def prepare(conn: Any) -> None:
 
 
 @contextmanager
-def transaction(conn: Any, *, repeatable_read: bool = False) -> Iterator[Any]:
+def transaction(conn: Any, *, repeatable_read: bool = False, read_only: bool = False) -> Iterator[Any]:
     """One top-level transaction: commit on success, roll back on any error, and translate errors.
 
     Deliberately not psycopg 3's ``conn.transaction()``, which is only a savepoint on a connection
@@ -50,11 +54,18 @@ def transaction(conn: Any, *, repeatable_read: bool = False) -> Iterator[Any]:
 
     :param repeatable_read: every statement of the transaction sees one snapshot; a row that someone
         else changed since fails a write with a serialization error (SQLSTATE 40001).
+    :param read_only: the whole transaction is ``READ ONLY`` from its first statement: any write in it
+        fails (SQLSTATE 25006). A transaction that must also write (a dry-run batch records its counts
+        in the ledger) uses :func:`read_only` around its reads instead.
     """
     cur = cursor(conn)
     try:
-        if repeatable_read:
-            cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        if repeatable_read or read_only:
+            cur.execute(
+                "SET TRANSACTION"
+                + (" ISOLATION LEVEL REPEATABLE READ" if repeatable_read else "")
+                + (" READ ONLY" if read_only else "")
+            )
         yield cur
         conn.commit()
     except BaseException as exc:
@@ -65,6 +76,46 @@ def transaction(conn: Any, *, repeatable_read: bool = False) -> Iterator[Any]:
         raise translated from exc
     finally:
         _close_quietly(cur)
+
+
+_READ_ONLY_SAVEPOINT = "retention_read_only"
+
+
+def begin_read_only(cur: Any) -> None:
+    """From here on the current transaction is read-only, until :func:`end_read_only`: every statement
+    that would write (a ``DELETE``, an ``INSERT`` into an archive) fails with SQLSTATE 25006 instead.
+
+    Why a savepoint and not a ``READ ONLY`` transaction: a dry-run batch counts the rows of the target
+    and records the counts in the ledger in one transaction, under the lock of the chunk's ledger row
+    (attempts of a chunk queue there, and a count is recorded exactly once). PostgreSQL lets a
+    transaction turn read-only at any point (``SET TRANSACTION READ ONLY`` after its first statement),
+    never back; but the setting is undone with the savepoint it was made in, so the ledger writes after
+    :func:`end_read_only` go through while the statements between cannot write at all."""
+    cur.execute(f"SAVEPOINT {_READ_ONLY_SAVEPOINT}")
+    cur.execute("SET TRANSACTION READ ONLY")
+
+
+def end_read_only(cur: Any) -> None:
+    """Undo :func:`begin_read_only` (roll back to its savepoint: read-write again, and nothing the reads
+    did is kept). On a cursor of its own, so that ``cur`` keeps the rows of its last statement."""
+    guard = cursor(cur.connection)
+    try:
+        guard.execute(f"ROLLBACK TO SAVEPOINT {_READ_ONLY_SAVEPOINT}")
+        guard.execute(f"RELEASE SAVEPOINT {_READ_ONLY_SAVEPOINT}")
+    finally:
+        _close_quietly(guard)
+
+
+@contextmanager
+def read_only(cur: Any, enabled: bool = True) -> Iterator[Any]:
+    """The statements of the block run read-only (:func:`begin_read_only`); nothing when not ``enabled``.
+    An error leaves the transaction to its caller, who rolls it back."""
+    if not enabled:
+        yield cur
+        return
+    begin_read_only(cur)
+    yield cur
+    end_read_only(cur)
 
 
 def set_local_timeouts(
@@ -155,6 +206,8 @@ def translate(exc: BaseException) -> BaseException:
         return exc
     state = sqlstate(exc)
     message = " ".join(str(exc).split()) or type(exc).__name__
+    if state in _PERMANENT_STATES:
+        return PermanentError(f"{_describe(state)}: {message}")
     if state is None or state in _RETRYABLE_STATES or state[:2] in _RETRYABLE_CLASSES:
         # No SQLSTATE means the driver lost the connection (server restart, network, killed session).
         return RetryableError(f"{_describe(state)}: {message}", state)
@@ -173,6 +226,7 @@ _NAMES = {
     "42P01": "undefined table",
     "42703": "undefined column",
     "42601": "syntax error",
+    READ_ONLY_VIOLATION: "write in a read-only transaction (a dry run never writes)",
 }
 
 

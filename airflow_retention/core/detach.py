@@ -1,24 +1,33 @@
 """Partition chunks: a wholly expired partition detached (``expired_partitions: detach``) or dropped
 (``drop``) instead of deleted row by row.
 
-Two ways, chosen when the chunk runs:
+First, whenever it runs, the chunk checks that its action is still wanted, never on the plan's word
+alone: it does no more than both its plan and the policy as it is now allow (:func:`wanted_action`),
+and the partition's bound, read from the catalog in that transaction, must prove every row expired at
+the run's frozen cutoff (:func:`~airflow_retention.core.partitions.expired_by_bound`); otherwise the
+partition is ``kept``. Then one of two ways:
 
-- **concurrent** (no ``condition``, no DEFAULT partition beside it): record in the ledger that the
-  detach begins (committed), ``DETACH PARTITION … CONCURRENTLY`` in autocommit (SHARE UPDATE EXCLUSIVE
-  on the parent: queries on the table go on), then one transaction that counts the detached table's
-  rows, drops it (``drop``) or moves it to ``detached_schema``, and completes the ledger row;
-- **atomic** (a ``condition``, or a DEFAULT partition, with which PostgreSQL refuses CONCURRENTLY): one
-  transaction that locks the partition against writes (SHARE), proves with the condition that every
-  row is eligible (else the chunk ends ``kept`` and the rows wait for block chunks of the next run),
-  counts, plain ``DETACH`` (ACCESS EXCLUSIVE on the parent until the commit, milliseconds later),
-  drop or move, ledger; a crash anywhere rolls all of it back.
+- **concurrent** (no ``condition``, no tenant column, no DEFAULT partition beside it):
+  ``DETACH PARTITION … CONCURRENTLY`` in autocommit (SHARE UPDATE EXCLUSIVE on the parent: queries on
+  the table go on);
+- **atomic** (a ``condition`` or a tenant column, whose rows must be proved eligible under lock, or a
+  DEFAULT partition, with which PostgreSQL refuses CONCURRENTLY): the rows checked once without any lock
+  that writers wait for, then one short transaction that locks the parent first and the partition
+  second (the order of writers through the parent, so that they never deadlock), re-reads the bound,
+  checks the rows again, and runs a plain ``DETACH``.
+
+The chunk records that the detach is its own (``action_started_at``) only once it knows: in the plain
+detach's own commit, after ``CONCURRENTLY`` returned, or after a failed one left the partition pending
+detach. Then one transaction counts the detached table (per tenant too), checks every row of it against
+the policy in the same scan, drops it (``drop``) or moves it to ``detached_schema``, and completes the
+ledger row; a table holding a row the policy keeps is left detached, never dropped.
 
 Every crash window is a retry away from done, exactly once: killed before the detach → the retry
 detaches; killed inside ``DETACH … CONCURRENTLY`` → the partition is left "pending detach" and the
-retry runs ``DETACH … FINALIZE``; killed after the detach → the retry finds the partition detached,
-sees in the ledger that the detach was its own, counts and completes. A partition detached or dropped
-by someone else completes the chunk with 0 rows (``partition_gone``). Lock waits stop at
-``lock_timeout`` and the chunk fails retryable; nothing is lost.
+retry runs ``DETACH … FINALIZE``; killed after the claimed detach → the retry finds the partition
+detached, sees in the ledger that the detach was its own, counts and completes. A partition detached
+without that record, or dropped, by someone else completes the chunk with 0 rows (``partition_gone``)
+and is never dropped. Lock waits stop at ``lock_timeout`` and the chunk fails retryable; nothing is lost.
 """
 
 from __future__ import annotations
@@ -30,18 +39,18 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import TargetInfo, check_detached_schema
-from airflow_retention.core.errors import PermanentError, RetryableError
+from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
-from airflow_retention.core.partitions import needs_row_check
+from airflow_retention.core.partitions import expired_by_bound, needs_row_check
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
     PARTITION_STATE,
-    count_statement,
     detach_statement,
     drop_statement,
     ineligible_exists_statement,
     lock_statement,
+    partition_census_statement,
     set_schema_statement,
 )
 from airflow_retention.core.tenants import TenantCutoffs
@@ -106,6 +115,48 @@ class PartitionOutcome:
     how: str = ""
 
 
+def wanted_action(policy: RetentionPolicy, planned: str) -> tuple[str | None, str]:
+    """What a partition chunk may do when it runs: never more than both its plan and the policy as it is
+    now allow (``drop`` only when both drop; ``detach`` when either detaches), and nothing when the policy
+    no longer removes partitions whole. Returns the action (None: keep the partition) and, when the
+    policy changed since planning, why the chunk does less than planned."""
+    now = policy.expired_partitions
+    if now not in ("detach", "drop"):
+        return None, (
+            f"the policy's expired_partitions is {now!r} now (planned: {planned}): nothing is removed whole,"
+            " its eligible rows are deleted in batches by the next run"
+        )
+    if policy.max_rows_per_tenant:
+        return None, (
+            "the policy caps rows per tenant now (max_rows_per_tenant): its eligible rows are deleted in batches"
+            " by the next run"
+        )
+    if planned == "drop" and now == "drop":
+        return "drop", ""
+    if planned == "drop":
+        return "detach", "planned to drop it, the policy detaches now: detached, not dropped"
+    return "detach", ""
+
+
+@dataclass(frozen=True)
+class Census:
+    """A partition's rows, counted in one scan: all of them, those the policy keeps, and per tenant."""
+
+    rows: int
+    kept: int
+    tenants: list[tuple[str, int]]
+
+
+def census(cur: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, table: TableName) -> Census:
+    cur.execute(partition_census_statement(policy, target, table), cutoffs.params())
+    found = cur.fetchall()
+    return Census(
+        rows=sum(int(n) for _, n, _ in found),
+        kept=sum(int(k) for _, _, k in found),
+        tenants=[(str(t), int(n)) for t, n, _ in found if t is not None and n],
+    )
+
+
 def run_partition_chunk(
     conn: Any,
     policy: RetentionPolicy,
@@ -118,7 +169,9 @@ def run_partition_chunk(
     cutoffs: TenantCutoffs,
     on_step: Callable[[str], None] | None = None,
 ) -> PartitionOutcome:
-    """Detach or drop the chunk's partition once, whatever happened to earlier attempts.
+    """Detach or drop the chunk's partition once, whatever happened to earlier attempts, and only if the
+    policy as it is now and the partition's bound (read from the catalog now, against the run's frozen
+    cutoff) still call for it; otherwise the partition is ``kept``.
 
     :param on_step: called with ``"before_detach"`` and ``"after_detach"`` (the fault drills kill the
         process there).
@@ -127,7 +180,8 @@ def run_partition_chunk(
         raise ValueError(f"chunk {chunk.key} is not a partition chunk")
     planned = TableName.parse(chunk.partition)
     step = on_step or (lambda _: None)
-    if not policy.dry_run:
+    action, changed = wanted_action(policy, chunk.action)
+    if not policy.dry_run and action is not None:
         check_detached_schema(conn, policy)  # before anything is detached
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
@@ -136,10 +190,11 @@ def run_partition_chunk(
             raise PermanentError(f"chunk {chunk.key} of run {run_key} has no ledger row")
         if row[0] == "complete":
             return PartitionOutcome(0, "", already_complete=True)
-        started = row[10] is not None
+        # Recorded only once a detach was seen to be this chunk's (it returned, or left the partition
+        # pending): a partition found detached without it was detached by someone else.
+        ours = row[10] is not None
         state = partition_state(cur, policy, chunk.partition_oid)
-        ours_detached = state is not None and state.table.name == planned.name and not state.attached and started
-        if state is None or state.table.name != planned.name or (not state.attached and not started):
+        if state is None or state.table.name != planned.name or (not state.attached and not ours):
             why = "was dropped" if state is None else ("was renamed" if state.table.name != planned.name else "")
             why = why or "was detached by someone else"
             log.warning(
@@ -155,48 +210,112 @@ def run_partition_chunk(
             log.warning("chunk %s: partition %s now belongs to another table: left alone", chunk.key, planned)
             _complete(cur, ledger, run_key, chunk, attempt, 0, "partition_gone")
             return PartitionOutcome(0, "partition_gone", how="moved to another table")
+        if action is None:
+            return _keep(cur, ledger, run_key, chunk, attempt, planned, changed)
+        if changed:
+            log.warning("chunk %s: partition %s: %s", chunk.key, planned, changed)
+        if state.attached and not expired_by_bound(cur, policy, target, cutoffs, chunk.partition_oid):
+            # The plan's word is not enough: a lone chunk names any partition, and a partition may have
+            # been re-attached with another bound since planning.
+            return _keep(cur, ledger, run_key, chunk, attempt, planned, _NOT_EXPIRED)
         if policy.dry_run:
-            cur.execute(count_statement(state.table))
-            (rows,) = cur.fetchone()
-            ledger.complete_chunk(cur, run_key, chunk, attempt, outcome="dry_run", matched=int(rows))
-            return PartitionOutcome(int(rows), "dry_run", how="counted (dry run)")
-        if state.pending_detach and not ours_detached and needs_row_check(policy) and not started:
-            log.warning(
-                "chunk %s: partition %s is pending detach by someone else's interrupted DETACH; its rows cannot be"
-                " checked against the condition or the tenant rule any more, so it is left as it is (FINALIZE"
-                " it by hand, docs/runbook.md)",
-                chunk.key,
+            with dbapi.read_only(cur):  # a dry run only counts; a write here would fail, not act
+                counted = census(cur, policy, target, cutoffs, state.table)
+            if counted.kept:
+                return _keep(cur, ledger, run_key, chunk, attempt, planned, _kept_rows(counted))
+            ledger.add_tenant_counts(cur, run_key, chunk.key, [(t, 0, 0, n) for t, n in counted.tenants])
+            ledger.complete_chunk(cur, run_key, chunk, attempt, outcome="dry_run", matched=counted.rows)
+            return PartitionOutcome(counted.rows, "dry_run", how="counted (dry run)")
+        if state.pending_detach and not ours and needs_row_check(policy):
+            return _keep(
+                cur,
+                ledger,
+                run_key,
+                chunk,
+                attempt,
                 planned,
+                "it is pending detach by someone else's interrupted DETACH; its rows cannot be checked against the"
+                " condition or the tenant rule any more, so it is left as it is (FINALIZE it by hand,"
+                " docs/runbook.md)",
             )
-            _complete(cur, ledger, run_key, chunk, attempt, 0, "kept")
-            return PartitionOutcome(0, "kept", how="pending detach by someone else")
-        atomic = (
-            not state.pending_detach and not ours_detached and (needs_row_check(policy) or state.parent_has_default)
-        )
-        if atomic:
-            return _atomic(cur, policy, target, run_key, chunk, attempt, ledger, state, cutoffs=cutoffs, step=step)
-        if not ours_detached and not state.pending_detach:
-            ledger.start_action(cur, run_key, chunk.key, attempt)
-    # Committed: a retry that finds the partition detached knows it was this chunk's doing.
-    if state.attached:
+        if not state.attached:
+            mode = None  # this chunk's detach is done: what is left is the final transaction
+        elif state.pending_detach:
+            mode = "FINALIZE"
+        elif needs_row_check(policy) or state.parent_has_default:
+            mode = "atomic"
+        else:
+            mode = "CONCURRENTLY"
+    if mode == "atomic":
+        kept = _plain_detach(conn, policy, target, run_key, chunk, attempt, ledger, state.table, cutoffs, step)
+        if kept is not None:
+            return kept
+        step("after_detach")
+    elif mode is not None:
         assert state.parent is not None
-        mode = "FINALIZE" if state.pending_detach else "CONCURRENTLY"
         step("before_detach")
         log.info("chunk %s: ALTER TABLE %s DETACH PARTITION %s %s", chunk.key, state.parent, state.table, mode)
-        dbapi.outside_transaction(
-            conn,
-            detach_statement(state.parent, state.table, mode),
-            {
-                "lock_timeout": str(policy.lock_timeout_ms),
-                "statement_timeout": str(policy.statement_timeout_ms),
-                "client_connection_check_interval": CLIENT_CHECK_INTERVAL,
-            },
-        )
+        try:
+            dbapi.outside_transaction(
+                conn,
+                detach_statement(state.parent, state.table, mode),
+                {
+                    "lock_timeout": str(policy.lock_timeout_ms),
+                    "statement_timeout": str(policy.statement_timeout_ms),
+                    "client_connection_check_interval": CLIENT_CHECK_INTERVAL,
+                },
+            )
+        except RetentionError:
+            if mode == "CONCURRENTLY":  # a FINALIZE that fails leaves the partition as it found it
+                _claim_if_pending(conn, policy, run_key, chunk, attempt, ledger, planned)
+            raise
+        _claim(conn, policy, run_key, chunk, attempt, ledger)
         step("after_detach")
-    return _finish(conn, policy, run_key, chunk, attempt, ledger, planned)
+    return _finish(conn, policy, target, run_key, chunk, attempt, ledger, planned, action, cutoffs)
 
 
-def _finish(
+_NOT_EXPIRED = (
+    "its partition bound (read from the catalog now) does not prove every row older than the run's cutoff:"
+    " it is not a RANGE partition on the timestamp column ending at or before the cutoff, nor below one"
+)
+
+
+def _kept_rows(counted: Census) -> str:
+    return (
+        f"{counted.kept} of its {counted.rows} row(s) are not eligible now (the condition keeps them, they have no"
+        " tenant, or their tenant keeps rows longer); its eligible rows are deleted in batches by the next run"
+    )
+
+
+def _keep(
+    cur: Any, ledger: Ledger, run_key: str, chunk: ChunkSpec, attempt: Attempt, planned: TableName, why: str
+) -> PartitionOutcome:
+    """Complete the chunk with outcome ``kept`` and 0 rows, saying why in the log."""
+    log.warning(
+        "chunk %s: partition %s is kept, not %s: %s",
+        chunk.key,
+        planned,
+        "dropped" if chunk.action == "drop" else "detached",
+        why,
+    )
+    _complete(cur, ledger, run_key, chunk, attempt, 0, "kept")
+    return PartitionOutcome(0, "kept", how=why)
+
+
+def _claim(
+    conn: Any, policy: RetentionPolicy, run_key: str, chunk: ChunkSpec, attempt: Attempt, ledger: Ledger
+) -> None:
+    """Record that the partition's detach is this chunk's, now that it is known to be: a retry that finds
+    it detached then finishes it; without this record it would leave it as someone else's."""
+    with dbapi.transaction(conn) as cur:
+        # Only another attempt of this chunk can hold its row, for one short transaction: wait for it
+        # rather than leave a detach of ours unclaimed.
+        wait = max(policy.lock_timeout_ms, policy.statement_timeout_ms)
+        dbapi.set_local_timeouts(cur, wait, wait)
+        ledger.start_action(cur, run_key, chunk.key, attempt)
+
+
+def _claim_if_pending(
     conn: Any,
     policy: RetentionPolicy,
     run_key: str,
@@ -204,8 +323,109 @@ def _finish(
     attempt: Attempt,
     ledger: Ledger,
     planned: TableName,
+) -> None:
+    """After a failed ``DETACH … CONCURRENTLY``: a partition left pending is this chunk's detach half
+    done (its retry finalizes it); one still attached was not detached at all, and nothing is claimed,
+    so that a DBA who detaches it before the retry keeps it. Best effort: the error that brought us here
+    is what the caller reports."""
+    assert chunk.partition_oid is not None
+    try:
+        with dbapi.transaction(conn) as cur:
+            dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
+            state = partition_state(cur, policy, chunk.partition_oid)
+            if state is not None and state.pending_detach and state.table.name == planned.name:
+                ledger.start_action(cur, run_key, chunk.key, attempt)
+    except Exception:  # noqa: BLE001 - the connection may be what failed; unclaimed is the safe side
+        log.warning("chunk %s: could not check whether the failed detach left %s pending", chunk.key, planned)
+
+
+def _plain_detach(
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    run_key: str,
+    chunk: ChunkSpec,
+    attempt: Attempt,
+    ledger: Ledger,
+    table: TableName,
+    cutoffs: TenantCutoffs,
+    step: Callable[[str], None],
+) -> PartitionOutcome | None:
+    """The detach in one transaction (a condition or a tenant rule to prove under lock, or a DEFAULT
+    partition, with which PostgreSQL refuses CONCURRENTLY): the parent's lock first, then the partition's,
+    the order in which writers through the parent take theirs, so that the two never deadlock; the proof
+    again under the locks, the plain DETACH, and the claim, in one commit. The count, the drop or the move
+    follow in :func:`_finish`, after the parent's lock is released. None once detached; the outcome when
+    the partition is kept."""
+    assert chunk.partition_oid is not None
+    planned = table
+    check = needs_row_check(policy)
+    holds_kept = False
+    if check:
+        # First without any lock that makes writers wait: a partition that keeps a row never locks its
+        # parent. Stops at the first such row.
+        (holds_kept,) = dbapi.fetch_all(
+            conn,
+            ineligible_exists_statement(policy, target, planned),
+            cutoffs.params(),
+            lock_timeout_ms=policy.lock_timeout_ms,
+        )[0]
+    with dbapi.transaction(conn) as cur:
+        dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
+        row = ledger.lock_chunk(cur, run_key, chunk.key)
+        if row is None or row[0] == "complete":
+            return PartitionOutcome(0, "", already_complete=True)
+        if holds_kept:
+            return _keep(cur, ledger, run_key, chunk, attempt, planned, _HOLDS_KEPT)
+        before = partition_state(cur, policy, chunk.partition_oid)
+        if before is None or before.parent is None or before.pending_detach or before.table.name != planned.name:
+            raise RetryableError(
+                f"chunk {chunk.key}: partition {planned} changed before its detach; the retry looks again"
+            )
+        # Each wait is bounded by lock_timeout: a timeout rolls back this transaction, nothing is detached.
+        cur.execute(lock_statement(before.parent, "ACCESS EXCLUSIVE", only=True))
+        cur.execute(lock_statement(before.table, "ACCESS EXCLUSIVE"))
+        state = partition_state(cur, policy, chunk.partition_oid)
+        if state != before:
+            raise RetryableError(
+                f"chunk {chunk.key}: partition {planned} changed while its detach took its locks; the retry looks again"
+            )
+        assert state is not None and state.parent is not None
+        if not expired_by_bound(cur, policy, target, cutoffs, chunk.partition_oid):
+            return _keep(cur, ledger, run_key, chunk, attempt, planned, _NOT_EXPIRED)
+        if check:
+            cur.execute(ineligible_exists_statement(policy, target, state.table), cutoffs.params())
+            if cur.fetchone()[0]:
+                return _keep(cur, ledger, run_key, chunk, attempt, planned, _HOLDS_KEPT)
+        step("before_detach")
+        why = "condition checked under lock" if check else "a DEFAULT partition forbids CONCURRENTLY"
+        log.info("chunk %s: ALTER TABLE %s DETACH PARTITION %s (%s)", chunk.key, state.parent, state.table, why)
+        cur.execute(detach_statement(state.parent, state.table, ""))
+        ledger.start_action(cur, run_key, chunk.key, attempt)  # ours, in the detach's own commit
+    return None
+
+
+_HOLDS_KEPT = (
+    "it holds a row the condition or the tenant rule keeps (changed since planning); its eligible rows are deleted"
+    " in batches by the next run"
+)
+
+
+def _finish(
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    run_key: str,
+    chunk: ChunkSpec,
+    attempt: Attempt,
+    ledger: Ledger,
+    planned: TableName,
+    action: str | None,
+    cutoffs: TenantCutoffs,
 ) -> PartitionOutcome:
-    """After the detach: count the detached table, drop or move it, complete the ledger, in one commit."""
+    """After this chunk's detach: count the detached table (per tenant too) and prove every row of it
+    eligible, drop or move it, complete the ledger, in one commit. A table holding a row the policy keeps
+    is left detached as it is (``kept``), never dropped."""
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
         row = ledger.lock_chunk(cur, run_key, chunk.key)
@@ -219,60 +439,41 @@ def _finish(
             _complete(cur, ledger, run_key, chunk, attempt, 0, "partition_gone")
             return PartitionOutcome(0, "partition_gone", how="dropped by someone else after the detach")
         if state.attached:
-            # Re-attached since the detach: the retry sees it attached, its detach begun, and detaches again.
+            # Re-attached since the detach: the retry sees it attached, and detaches it again.
             raise RetryableError(f"chunk {chunk.key}: partition {planned} was attached again during its detach")
-        cur.execute(lock_statement(state.table, "SHARE"))
-        cur.execute(count_statement(state.table))
-        (rows,) = cur.fetchone()
-        outcome = _remove(cur, policy, chunk, state.table)
-        _complete(cur, ledger, run_key, chunk, attempt, int(rows), outcome)
-    log.info("chunk %s: partition %s %s with %d row(s)", chunk.key, planned, outcome, rows)
-    return PartitionOutcome(int(rows), outcome, how="detached concurrently")
-
-
-def _atomic(
-    cur: Any,
-    policy: RetentionPolicy,
-    target: TargetInfo,
-    run_key: str,
-    chunk: ChunkSpec,
-    attempt: Attempt,
-    ledger: Ledger,
-    state: PartitionState,
-    *,
-    cutoffs: TenantCutoffs,
-    step: Callable[[str], None],
-) -> PartitionOutcome:
-    """Check, count, plain DETACH, drop or move, and the ledger, all in the caller's transaction."""
-    assert state.parent is not None
-    cur.execute(lock_statement(state.table, "SHARE"))
-    if needs_row_check(policy):
-        cur.execute(ineligible_exists_statement(policy, target, state.table), cutoffs.params())
-        if cur.fetchone()[0]:
-            log.warning(
-                "chunk %s: partition %s holds a row the condition or the tenant rule keeps: not %s;"
-                " its eligible rows are deleted by the next run's block chunks",
-                chunk.key,
-                state.table,
-                "dropped" if chunk.action == "drop" else "detached",
+        if action is None:
+            return _keep(
+                cur,
+                ledger,
+                run_key,
+                chunk,
+                attempt,
+                planned,
+                f"this chunk detached it before the policy changed; it is left detached as {state.table}, not dropped",
             )
-            _complete(cur, ledger, run_key, chunk, attempt, 0, "kept")
-            return PartitionOutcome(0, "kept", how="a row is kept by the condition or has no tenant")
-    cur.execute(count_statement(state.table))
-    (rows,) = cur.fetchone()
-    step("before_detach")
-    why = "condition checked under lock" if policy.condition else "a DEFAULT partition forbids CONCURRENTLY"
-    log.info("chunk %s: ALTER TABLE %s DETACH PARTITION %s (%s)", chunk.key, state.parent, state.table, why)
-    cur.execute(detach_statement(state.parent, state.table, ""))
-    outcome = _remove(cur, policy, chunk, state.table)
-    step("after_detach")
-    _complete(cur, ledger, run_key, chunk, attempt, int(rows), outcome)
-    log.info("chunk %s: partition %s %s with %d row(s)", chunk.key, state.table, outcome, rows)
-    return PartitionOutcome(int(rows), outcome, how=f"plain DETACH ({why})")
+        # The table is no longer the policy's: only a direct write could change it, and it waits now.
+        cur.execute(lock_statement(state.table, "ACCESS EXCLUSIVE"))
+        counted = census(cur, policy, target, cutoffs, state.table)
+        if counted.kept:
+            return _keep(
+                cur,
+                ledger,
+                run_key,
+                chunk,
+                attempt,
+                planned,
+                f"detached as {state.table}, but {counted.kept} of its {counted.rows} row(s) are not eligible at the"
+                " cutoff: left detached as it is, not dropped (re-attach it: ALTER TABLE … ATTACH PARTITION)",
+            )
+        outcome = _remove(cur, policy, action, state.table)
+        ledger.add_tenant_counts(cur, run_key, chunk.key, [(t, n, 0, 0) for t, n in counted.tenants])
+        _complete(cur, ledger, run_key, chunk, attempt, counted.rows, outcome)
+    log.info("chunk %s: partition %s %s with %d row(s)", chunk.key, planned, outcome, counted.rows)
+    return PartitionOutcome(counted.rows, outcome, how="detached, counted and proved")
 
 
-def _remove(cur: Any, policy: RetentionPolicy, chunk: ChunkSpec, table: TableName) -> str:
-    if chunk.action == "drop":
+def _remove(cur: Any, policy: RetentionPolicy, action: str, table: TableName) -> str:
+    if action == "drop":
         cur.execute(drop_statement(table))
         return "dropped"
     if policy.detached_schema is not None and table.schema != policy.detached_schema:

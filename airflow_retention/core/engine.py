@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -30,13 +31,14 @@ from typing import Any
 
 from airflow_retention.core import dbapi, tenants
 from airflow_retention.core.catalog import TargetInfo, inspect_target
-from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refuse_future_cutoff, run_key
+from airflow_retention.core.cutoff import as_utc, format_cutoff, refuse_future_cutoff, resolve_run_date, run_key
 from airflow_retention.core.detach import gone_reason, partition_state, run_partition_chunk
 from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.isolation import TenantFailure, run_for_tenant, run_isolated
 from airflow_retention.core.ledger import Attempt, ChunkSpec, DeadLetter, Ledger, RunRecord
-from airflow_retention.core.pacing import Pacer, Throttler
+from airflow_retention.core.pacing import Pacer, Throttler, conflict_backoff
+from airflow_retention.core.planner import check_lone_range, freeze_tenant_cutoffs
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
     BLOCK_COUNT,
@@ -124,6 +126,8 @@ def run_chunk(
     lone: bool = False,
     sleep: Callable[[float], None] = time.sleep,
     on_step: Callable[[str], None] | None = None,
+    run_date: datetime | None = None,
+    rng: random.Random | None = None,
 ) -> ChunkResult:
     """Delete the eligible rows of one chunk; safe to call any number of times, from any number of
     processes at once. Raises :class:`RetryableError` (nothing of the failed batch applied; retry
@@ -137,8 +141,11 @@ def run_chunk(
     :param on_batch: called after each committed batch.
     :param lone: the chunk was not planned: it gets a run of its own (key ``<run key>#lone``) and its
         ledger rows are created here, so it never alters a planned run's expected chunk set.
-    :param sleep: how the throttle pauses (tests pass a fake).
+    :param sleep: how the throttle and the backoff after a serialization failure pause (tests pass a fake).
     :param on_step: partition chunks call it at ``"before_detach"`` and ``"after_detach"`` (fault drills).
+    :param run_date: the run's date, ``cutoff`` frozen from it: a lone chunk freezes its run's per-tenant
+        cutoffs from it and records it (a planned chunk's run has them already).
+    :param rng: the jitter of the backoff after a serialization failure (tests pass a seeded one).
     """
     cutoff = as_utc(cutoff)
     if chunk.lo >= chunk.hi:
@@ -153,7 +160,7 @@ def run_chunk(
     target = target or inspect_target(conn, policy)
     refuse_future_cutoff(conn, policy, cutoff)
     key = run_key(policy, cutoff, lone=lone)
-    _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone)
+    _ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone, run_date)
     if chunk.action is not None:
         return _partition_chunk(conn, policy, target, key, chunk, attempt, ledger, cutoff, on_step)
 
@@ -166,6 +173,7 @@ def run_chunk(
     passes = tenant_batch(policy, target, leaf) if one_pass else None
     snapshot = passes is not None and passes.needs_snapshot
     conflicts = 0
+    rng = rng or random.Random()
     result = ChunkResult(run_key=key, chunk_key=chunk.key)
     started = time.perf_counter()
     # A new chunk starts where the run's latest batches settled, not from scratch.
@@ -197,12 +205,18 @@ def run_chunk(
             throttler.wait_until_calm(conn)
             size = pacer.next_size(conn)
             batch_started = time.perf_counter()
-            locked = False
+            locked = capped = False
             try:
                 with dbapi.transaction(conn, repeatable_read=snapshot) as cur:
                     timeout_ms, wal = pacer.statement_timeout(size), target.wal_compression
+                    # The policy's own statement_timeout while the batch waits for its locks; the cap
+                    # (below) once they are held.
                     dbapi.set_local_timeouts(
-                        cur, policy.lock_timeout_ms, timeout_ms, wal_compression=wal, synchronous_commit=sync
+                        cur,
+                        policy.lock_timeout_ms,
+                        policy.statement_timeout_ms,
+                        wal_compression=wal,
+                        synchronous_commit=sync,
                     )
                     row = ledger.lock_chunk(cur, key, chunk.key)
                     locked = True
@@ -231,11 +245,20 @@ def run_chunk(
                     if result.batches == 0:
                         resumed = next_key != chunk.lo or pos
                         result.resumed_from = next_key if resumed else None
+                    # The cap and the batch's time start here, with the chunk's ledger row (and its leaf)
+                    # locked: a wait behind another attempt's batch is not a slow batch, to be cut.
+                    if timeout_ms != policy.statement_timeout_ms:
+                        cur.execute("SELECT set_config('statement_timeout', %(t)s, true)", {"t": str(timeout_ms)})
+                    batch_started, capped = time.perf_counter(), True
                     tenant = chunk.tenants[pos] if chunk.tenants is not None else None
                     batch = {**params, "lo": next_key, "limit": size, "tenant": tenant}
                     if policy.max_rows_per_tenant:
                         batch["xt"] = ledger.tenants_at_cap(cur, key, policy.max_rows_per_tenant)
                     failures: list[TenantFailure] = []
+                    if policy.dry_run:
+                        # Until the counts are read, a dry run's transaction cannot write: a statement that
+                        # would delete fails instead (dbapi.begin_read_only says why not the whole batch).
+                        dbapi.begin_read_only(cur)
                     if by_block:
                         # Blocks instead of keys: as many as hold about ``size`` rows.
                         upper = max(next_key, min(end, next_key + max(1, round(size / rows_per_block))))
@@ -264,6 +287,8 @@ def run_chunk(
                                 full = False  # the tenant is left: the chunk goes on with its next one
                         else:
                             cur.execute(statement, {**batch, "upper": last_key})
+                    if policy.dry_run:
+                        dbapi.end_read_only(cur)  # the ledger writes below
                     if one_pass or tenant is not None:
                         deleted, archived, matched = _count_tenants(cur, ledger, key, chunk, per_tenant, result)
                         _dead_letters(cur, ledger, policy, key, chunk, cutoffs, failures)
@@ -271,6 +296,7 @@ def run_chunk(
                         deleted, archived, matched = cur.fetchone()
                     else:
                         deleted, archived, matched = cur.rowcount, 0, 0
+                    _check_archived(policy, chunk, deleted, archived)  # before the commit: a gap rolls it back
                     new_next, new_pos = (last_key + 1, pos) if full else (chunk.hi, pos)
                     if not full and chunk.tenants is not None and pos + 1 < len(chunk.tenants):
                         new_next, new_pos = chunk.lo, pos + 1  # this tenant is done: the next one from the start
@@ -303,7 +329,7 @@ def run_chunk(
             except RetryableError as exc:
                 # The statement cap cancelled a batch running long: nothing of it applied; the loop
                 # takes its range again, a quarter as big.
-                if pacer.cut_short(exc, size, (time.perf_counter() - batch_started) * 1000):
+                if capped and pacer.cut_short(exc, size, (time.perf_counter() - batch_started) * 1000):
                     result.batches_cut += 1
                     continue
                 # A one-pass batch counts and deletes under one snapshot: a row changed by someone else
@@ -316,8 +342,12 @@ def run_chunk(
                     conflicts += 1
                     if conflicts > _MAX_CONFLICTS:
                         raise
-                    log.info("chunk %s: a batch met a concurrent change (%s); taking it again on a fresh snapshot",
-                             chunk.key, " ".join(str(exc).split())[:200])  # fmt: skip
+                    # Backoff with jitter: a writer that keeps changing the rows gets time to finish, and
+                    # attempts that conflict with each other do not retry in lockstep.
+                    pause = conflict_backoff(conflicts, rng)
+                    log.info("chunk %s: a batch met a concurrent change (%s); taking it again on a fresh snapshot"
+                             " in %.0f ms", chunk.key, " ".join(str(exc).split())[:200], pause * 1000)  # fmt: skip
+                    sleep(pause)
                 continue
             except PermanentError:
                 # A leaf dropped between the batch's check and its lock: the next batch sees it gone.
@@ -379,6 +409,20 @@ def run_chunk(
     if result.already_complete:
         log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
     return result
+
+
+def _check_archived(policy: RetentionPolicy, chunk: ChunkSpec, deleted: int, archived: int) -> None:
+    """Every row a batch deletes must reach the archive table in the same statement. A trigger or a rule
+    on the archive can swallow rows (a BEFORE INSERT trigger returning NULL): the batch is then refused,
+    and its transaction, deletions included, rolled back."""
+    if policy.archive_table is None or policy.dry_run or int(archived) == int(deleted):
+        return
+    raise PermanentError(
+        f"chunk {chunk.key}: a batch deleted {deleted} row(s) but archive_table {policy.archive_table} received"
+        f" {archived}: a trigger or rule on {policy.archive_table} drops rows (a BEFORE INSERT trigger returning"
+        " NULL, a DO INSTEAD rule). The batch was rolled back: nothing of it was deleted. Fix the archive table,"
+        " then clear the chunk task"
+    )
 
 
 def _count_tenants(
@@ -469,7 +513,8 @@ class _Redo:
                     break
                 batch = {**self.params, "lo_tid": f"({lo},0)", "hi_tid": f"({min(end, lo + step)},0)"}
                 with self._batch() as cur:
-                    per_tenant, failures = run_isolated(cur, self.passes, batch, self.tenants_statement, only=going)
+                    with dbapi.read_only(cur, self.policy.dry_run):
+                        per_tenant, failures = run_isolated(cur, self.passes, batch, self.tenants_statement, only=going)
                     self._count(cur, per_tenant)
                 still.update((f.tenant, f) for f in failures)
         else:
@@ -493,7 +538,8 @@ class _Redo:
                 extent = cur.fetchone()
                 last = int(extent[0]) if extent is not None else self.chunk.hi - 1
                 batch["upper"] = last
-                counts, failure = run_for_tenant(cur, self.statement, batch, tenant, returns_counts=returns_counts)
+                with dbapi.read_only(cur, self.policy.dry_run):
+                    counts, failure = run_for_tenant(cur, self.statement, batch, tenant, returns_counts=returns_counts)
                 if failure is not None:
                     return failure
                 self._count(cur, [(tenant, *counts)] if any(counts) else [])
@@ -513,7 +559,8 @@ class _Redo:
             yield cur
 
     def _count(self, cur: Any, per_tenant: list[tuple[Any, ...]]) -> None:
-        deleted, _, _ = _count_tenants(cur, self.ledger, self.key, self.chunk, per_tenant, self.result)
+        deleted, archived, _ = _count_tenants(cur, self.ledger, self.key, self.chunk, per_tenant, self.result)
+        _check_archived(self.policy, self.chunk, deleted, archived)
         self.ledger.add_redone_rows(cur, self.key, self.chunk.key, deleted)
         self.result.rows_deleted += deleted
 
@@ -599,16 +646,22 @@ def _ensure_chunk_row(
     chunk: ChunkSpec,
     attempt: Attempt,
     lone: bool,
+    run_date: datetime | None = None,
 ) -> None:
     """Check the chunk's ledger row before any delete. A planned chunk must be in its run's stored plan;
     a lone chunk (no planner) creates its own run and chunk rows. Either way a row already there must
     describe the same range: a chunk key never stands for other rows."""
     ledger.ensure(conn)
     overrides: tuple[tuple[str, str, datetime, str], ...] = ()
+    if lone:
+        run_date = resolve_run_date(policy, cutoff, run_date)
+        with dbapi.transaction(conn) as cur:
+            known = ledger.read_chunk(cur, key, chunk.key) is not None
+        if not known:  # checked once, before its first ledger row: a table shrunk since does not fail a retry
+            check_lone_range(conn, policy, chunk)
     if lone and tenants.has_per_tenant_rules(policy):
-        # No planner froze this run's tenant cutoffs: freeze them now, from the cutoff's run date.
-        target = inspect_target(conn, policy)
-        overrides = tenants.compute(conn, policy, target, cutoff, anchor_of(policy, cutoff)).overrides
+        # No planner froze this run's tenant cutoffs: freeze them now, from the run's own date.
+        overrides = freeze_tenant_cutoffs(conn, policy, inspect_target(conn, policy), cutoff, run_date).overrides
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
         if lone:
@@ -622,6 +675,7 @@ def _ensure_chunk_row(
                     chunks_expected=0,
                     rows_planned=0,
                     planned_by=f"lone chunk {chunk.key} ({attempt.label()})",
+                    run_date=run_date,
                 ),
                 complete_if_empty=False,
             )

@@ -55,6 +55,10 @@ def describe(exc: BaseException) -> tuple[str, str | None, str]:
 
 
 def is_permanent(exc: BaseException) -> bool:
+    """Whether a failure is one of the rows (isolated per tenant), not transient. A write refused by a dry
+    run's read-only transaction is the engine's own mistake, no tenant's: it fails the chunk as it is."""
+    if dbapi.sqlstate(exc) == dbapi.READ_ONLY_VIOLATION:
+        return False
     return dbapi.is_driver_error(exc) and isinstance(dbapi.translate(exc), PermanentError)
 
 

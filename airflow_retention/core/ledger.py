@@ -17,7 +17,7 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import TableName, check_ident, display_name, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Each step moves the ledger from version N-1 to N. Steps only ever get appended.
 _MIGRATIONS: dict[int, str] = {
@@ -149,6 +149,12 @@ CREATE TABLE IF NOT EXISTS {s}.dead_letters (
     FOREIGN KEY (run_key, chunk_key) REFERENCES {s}.chunks (run_key, chunk_key) ON DELETE CASCADE
 );
 """,
+    # The run's date beside its cutoff: per-tenant cutoffs are frozen from it, and months do not let the
+    # cutoff tell it back (runs of 03-28 to 03-31 share the cutoff 02-28 of "1 month"). NULL for runs
+    # recorded before, and for a run given only a cutoff that does not tell its date.
+    5: """
+ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS run_date timestamptz;
+""",
 }
 
 
@@ -233,10 +239,10 @@ class Ledger:
         empty_and_done = complete_if_empty and run.chunks_expected == 0
         cur.execute(
             f"INSERT INTO {self.s}.runs (run_key, policy, target_table, cutoff, dry_run, state, chunk_rows,"
-            " batch_size, chunks_expected, rows_planned, planned_by)"
+            " batch_size, chunks_expected, rows_planned, planned_by, run_date)"
             " VALUES (%(run_key)s, %(policy)s, %(table)s, %(cutoff)s::timestamptz, %(dry_run)s::boolean,"
             " %(state)s, %(chunk_rows)s::bigint, %(batch_size)s::integer, %(chunks)s::integer,"
-            " %(rows)s::bigint, %(by)s)"
+            " %(rows)s::bigint, %(by)s, %(run_date)s::timestamptz)"
             " ON CONFLICT (run_key) DO NOTHING RETURNING run_key",
             {
                 "run_key": run.run_key,
@@ -250,6 +256,7 @@ class Ledger:
                 "chunks": run.chunks_expected,
                 "rows": run.rows_planned,
                 "by": run.planned_by,
+                "run_date": run.run_date,
             },
         )
         created = cur.fetchone() is not None
@@ -704,8 +711,9 @@ class Ledger:
         return [r[0] for r in cur.fetchall()]
 
     def start_action(self, cur: Any, run_key: str, chunk_key: str, attempt: Attempt) -> None:
-        """Record, before a partition's ``DETACH … CONCURRENTLY`` begins, that this chunk is detaching it:
-        a retry that finds the partition detached then knows the detach was its own."""
+        """Record that the partition's detach is this chunk's, once that is known (the plain detach's own
+        transaction, after ``DETACH … CONCURRENTLY`` returned, or left the partition pending): a retry
+        that finds the partition detached treats the detach as its own only from this."""
         cur.execute(
             f"UPDATE {self.s}.chunks SET action_started_at = coalesce(action_started_at, clock_timestamp()),"
             " state = 'running', attempts = attempts + 1, first_started_at = coalesce(first_started_at, now()),"
@@ -838,6 +846,7 @@ class RunRecord:
     chunks_expected: int
     rows_planned: int
     planned_by: str | None
+    run_date: datetime | None = None  # the run's date, the cutoff frozen from it; None when not known
 
     @classmethod
     def of(
@@ -850,6 +859,7 @@ class RunRecord:
         chunks_expected: int,
         rows_planned: int,
         planned_by: str | None,
+        run_date: datetime | None = None,
     ) -> RunRecord:
         return cls(
             run_key=run_key,
@@ -862,6 +872,7 @@ class RunRecord:
             chunks_expected=chunks_expected,
             rows_planned=rows_planned,
             planned_by=planned_by,
+            run_date=run_date,
         )
 
 
@@ -869,9 +880,11 @@ _RUN_FIELDS = (
     "run_key", "policy", "target_table", "cutoff", "dry_run", "state", "chunk_rows", "batch_size",
     "chunks_expected", "rows_planned", "planned_at", "planned_by", "completed_at", "chunks_completed",
     "rows_deleted", "rows_archived", "rows_matched", "verified_by", "oldest_eligible_at", "eligible_left",
-    "cleanup_lag_seconds", "lag_measured_at", "vacuumed_at",
+    "cleanup_lag_seconds", "lag_measured_at", "vacuumed_at", "run_date",
 )  # fmt: skip
-_RUN_COLUMNS = ", ".join(_RUN_FIELDS)
+# run_date (version 5) is read through the row's JSON, NULL on a ledger not migrated yet: the CLI's
+# status and the UI read a ledger without migrating it, and must not fail on one of version 4.
+_RUN_COLUMNS = ", ".join(_RUN_FIELDS[:-1]) + ", (to_jsonb(runs) ->> 'run_date')::timestamptz"
 _CHUNK_FIELDS = (
     "run_key", "chunk_key", "seq", "tenants", "lo", "hi", "rows_planned", "state", "next_key",
     "rows_deleted", "rows_archived", "rows_matched", "batches", "attempts", "first_started_at",

@@ -37,6 +37,11 @@ MAX_BACKOFF_MS = 60_000
 # commit within 2x the target.
 STATEMENT_CAP = 1.5
 CUT_SHORT_DIVISOR = 4
+# After a one-pass batch fails on a row someone else changed (40001), it is taken again after a pause
+# doubling from CONFLICT_BACKOFF_BASE_S up to CONFLICT_BACKOFF_CAP_S: a writer that keeps changing rows
+# gets time to commit, and 20 retries span seconds rather than milliseconds.
+CONFLICT_BACKOFF_BASE_S = 0.01
+CONFLICT_BACKOFF_CAP_S = 1.0
 # Full-page writes: a batch that may run into a checkpoint's start is cut to a quarter. The first change
 # to a page after a checkpoint writes the whole 8 kB page to the WAL; measured on block chunks at 10M
 # rows, batches aiming at 200 ms took 637 and 1,430 ms there. The cap catches what a quarter misses.
@@ -187,6 +192,15 @@ class CheckpointWatch:
             )
         self._last_size = max(1, size // FULL_PAGE_SHRINK)
         return FULL_PAGE_SHRINK
+
+
+def conflict_backoff(attempt: int, rng: random.Random) -> float:
+    """Seconds to pause before a batch's ``attempt``-th consecutive retry after a serialization failure:
+    :data:`CONFLICT_BACKOFF_BASE_S` doubling per attempt up to :data:`CONFLICT_BACKOFF_CAP_S`, with jitter
+    in [half, whole] of it, so that chunks conflicting with each other do not retry in lockstep; below
+    the cap each pause is at least the one before it."""
+    step = min(CONFLICT_BACKOFF_CAP_S, CONFLICT_BACKOFF_BASE_S * 2 ** max(0, attempt - 1))
+    return rng.uniform(step / 2, step)
 
 
 @dataclass

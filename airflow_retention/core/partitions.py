@@ -34,6 +34,7 @@ from airflow_retention.core.catalog import TargetInfo, check_detached_schema, re
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
+    PARTITION_BOUNDS,
     PARTITION_TREE,
     bound_check_statement,
     eligible_exists_statement,
@@ -143,6 +144,29 @@ def time_bounds(
         for (oid, _, _), (newer, expired) in zip(candidates, rows, strict=True):
             flags[oid] = (bool(newer), bool(expired))
     return flags
+
+
+def expired_by_bound(cur: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, oid: int) -> bool:
+    """Whether the catalog proves now, in the caller's transaction, that every row of the partition
+    ``oid`` is expired by time at the run's frozen cutoff (the earliest tenant's): its own RANGE bound on
+    the timestamp column, or an ancestor's below the policy's table, ends at or before it. A partition
+    chunk checks this when it runs, whatever the plan said: a partition re-attached with another bound,
+    or named by hand in a lone chunk, is never removed on the planner's word. False for a DEFAULT
+    partition, LIST and HASH bounds alone, and a relation that is no partition (any more)."""
+    cur.execute(PARTITION_BOUNDS, {"oid": oid, "root": policy.table.regclass_literal})
+    lows, highs = [], []
+    for bound, strategy, key_column in cur.fetchall():
+        match = _RANGE_BOUND.match(bound or "")
+        if strategy == "r" and key_column == policy.timestamp_column and match is not None:
+            lows.append(_literal(match["lo"]))
+            highs.append(_literal(match["hi"]))
+    if not highs:
+        return False
+    cur.execute(
+        bound_check_statement(target),
+        {"newer_from": cutoffs.latest, "expired_by": cutoffs.earliest, "lows": lows, "highs": highs},
+    )
+    return any(bool(expired) for _, expired in cur.fetchall())
 
 
 def _chain(tree: dict[int, Relation], rel: Relation) -> list[Relation]:

@@ -19,9 +19,16 @@ from typing import Any
 
 from airflow_retention.core import dbapi, tenants
 from airflow_retention.core.catalog import TargetInfo, inspect_target
-from airflow_retention.core.cutoff import anchor_of, as_utc, format_cutoff, refuse_future_cutoff, run_key
+from airflow_retention.core.cutoff import (
+    as_utc,
+    format_cutoff,
+    refuse_future_cutoff,
+    require_run_date,
+    resolve_run_date,
+    run_key,
+)
 from airflow_retention.core.errors import PermanentError, RetryableError
-from airflow_retention.core.identifiers import TableName
+from airflow_retention.core.identifiers import TableName, quote_ident
 from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, ChunkSpec, Ledger, MeasuredRate, RunRecord
 from airflow_retention.core.partitions import PartitionDecision
 from airflow_retention.core.policy import RetentionPolicy
@@ -36,7 +43,7 @@ from airflow_retention.core.sql import (
     group_statement,
     null_timestamps_statement,
 )
-from airflow_retention.core.tenants import TenantCutoffs, has_per_tenant_rules
+from airflow_retention.core.tenants import TenantCutoffs
 
 log = logging.getLogger(__name__)
 
@@ -383,6 +390,7 @@ class Preview:
     partitions: list[PartitionDecision] = field(default_factory=list)
     tenant_cutoffs: TenantCutoffs | None = None
     sizing: ChunkSizing | None = None
+    run_date: datetime | None = None  # the run's date, when known (recorded in the ledger beside the cutoff)
 
 
 def compute_plan(
@@ -392,25 +400,73 @@ def compute_plan(
     *,
     max_chunks: int = 1024,
     target: TargetInfo | None = None,
-    anchor: datetime | None = None,
+    run_date: datetime | None = None,
 ) -> Preview:
     """Count the eligible rows and cut them into chunks; reads only (no ledger, no writes).
 
-    :param anchor: the run date the cutoff was frozen from, for per-tenant retention (default: the
-        cutoff plus the policy's retention)."""
+    :param run_date: the run's date, the cutoff frozen from it: per-tenant cutoffs are frozen from it.
+        Without it a policy with per-tenant retention is planned only when the cutoff tells the date
+        (:func:`~airflow_retention.core.cutoff.resolve_run_date`)."""
     cutoff = as_utc(cutoff)
     if max_chunks < 1:
         raise PermanentError(f"max_chunks must be at least 1, got {max_chunks}")
     dbapi.prepare(conn)
     target = target or inspect_target(conn, policy)
     refuse_future_cutoff(conn, policy, cutoff)
-    cutoffs = (
-        tenants.compute(conn, policy, target, cutoff, anchor or anchor_of(policy, cutoff))
-        if has_per_tenant_rules(policy)
-        else TenantCutoffs(cutoff)
-    )
+    run_date = resolve_run_date(policy, cutoff, run_date)
+    cutoffs = freeze_tenant_cutoffs(conn, policy, target, cutoff, run_date)
     preview = _compute(conn, policy, target, cutoffs, max_chunks)
-    return dataclasses.replace(preview, tenant_cutoffs=cutoffs)
+    return dataclasses.replace(preview, tenant_cutoffs=cutoffs, run_date=run_date)
+
+
+def freeze_tenant_cutoffs(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, run_date: datetime | None
+) -> TenantCutoffs:
+    """The run's per-tenant cutoffs (``tenant_retention``, ``tenant_retention_table``), each its tenant's
+    retention before ``run_date``, the run's own date: never a date rebuilt from the cutoff when months
+    make that ambiguous (:func:`~airflow_retention.core.cutoff.require_run_date` refuses). A policy
+    without per-tenant retention has the run's cutoff alone."""
+    if policy.tenant_column is None or not (policy.tenant_retention or policy.tenant_retention_table is not None):
+        return TenantCutoffs(cutoff)
+    return tenants.compute(conn, policy, target, cutoff, require_run_date(policy, cutoff, run_date))
+
+
+def check_lone_range(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> None:
+    """Refuse a lone chunk whose range starts past the table's end, where it could only succeed with 0
+    rows: mistyped numbers, or keys given as block numbers. Block ranges (``policy.chunk_by`` block, or a
+    partition's leaf): its first block at or past the relation's size in blocks. Key ranges: its first
+    key above the table's largest key. A range that starts inside and runs past the end stops there
+    (``blocks=(0, 2**62)`` is the whole table); an empty table has no end to start past.
+
+    :raises PermanentError: naming the range, the table's end and the fix; nothing was written.
+    """
+    if chunk.action is not None:
+        return  # a whole partition: no range
+    if policy.chunk_by == "block" or chunk.partition is not None:
+        relation = TableName.parse(chunk.partition) if chunk.partition is not None else policy.table
+        try:
+            (blocks, _, _) = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": relation.regclass_literal})[0]
+        except PermanentError:
+            if chunk.partition is None:
+                raise
+            return  # a leaf gone since: the chunk completes as partition_gone
+        if blocks and chunk.lo >= int(blocks):
+            raise PermanentError(
+                f"policy {policy.name!r}: chunk {chunk.key}: blocks=({chunk.lo}, {chunk.hi}) starts past the end of"
+                f" {relation}, which has {int(blocks):,} block(s) (0 to {int(blocks) - 1}): there is nothing to purge"
+                " there. Block numbers are the table's physical pages, not keys: give keys=(lo, hi) for a key"
+                " range; nothing was deleted"
+            )
+        return
+    key = quote_ident(str(policy.key_column))
+    (top,) = dbapi.fetch_all(
+        conn, f"SELECT max({key})::bigint FROM {policy.table.sql}", lock_timeout_ms=policy.lock_timeout_ms
+    )[0]
+    if top is not None and chunk.lo > int(top):
+        raise PermanentError(
+            f"policy {policy.name!r}: chunk {chunk.key}: keys=({chunk.lo}, {chunk.hi}) starts past the largest"
+            f" {policy.key_column} of {policy.table}, {int(top):,}: no row is in that range; nothing was deleted"
+        )
 
 
 def _compute(
@@ -810,12 +866,13 @@ def plan_run(
     max_chunks: int = 1024,
     planned_by: str | None = None,
     target: TargetInfo | None = None,
-    anchor: datetime | None = None,
+    run_date: datetime | None = None,
 ) -> Plan:
     """Plan the run of ``policy`` at ``cutoff`` once; later calls for the same run key return the stored
     plan. Creates the ledger if needed and prunes the policy's runs older than ``ledger_keep_days``. A
-    plan with no chunks records the run complete with zero rows. Per-tenant cutoffs (``anchor``: the
-    run date the cutoff was frozen from) are recorded with the plan, frozen for the run."""
+    plan with no chunks records the run complete with zero rows. Per-tenant cutoffs are frozen from
+    ``run_date`` (the date ``cutoff`` was frozen from; see :func:`compute_plan`) and recorded with the
+    plan; the run's row records the date beside the cutoff."""
     cutoff = as_utc(cutoff)
     ledger = Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
@@ -825,7 +882,7 @@ def plan_run(
     if stored is not None:
         return _stored(conn, ledger, key, cutoff, stored)
 
-    preview = compute_plan(conn, policy, cutoff, max_chunks=max_chunks, target=target, anchor=anchor)
+    preview = compute_plan(conn, policy, cutoff, max_chunks=max_chunks, target=target, run_date=run_date)
     chunks, rows, size = preview.chunks, preview.rows_planned, preview.chunk_rows
     with dbapi.transaction(conn) as cur:
         created = ledger.register_run(
@@ -838,6 +895,7 @@ def plan_run(
                 chunks_expected=len(chunks),
                 rows_planned=rows,
                 planned_by=planned_by,
+                run_date=preview.run_date,
             ),
         )
         if created:

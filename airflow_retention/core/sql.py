@@ -1,7 +1,9 @@
 """Every statement that reads or deletes rows of a policy's target table, built in one place.
 
 Identifiers are quoted by :mod:`identifiers`; values travel as parameters with explicit casts; the
-policy's ``condition`` (trusted SQL) is wrapped in parentheses on lines of its own.
+policy's ``condition`` (trusted SQL) is wrapped in parentheses on lines of its own. Every statement
+names the target through :func:`target_from`, under the alias of the policy table's own name, so that
+the condition's ``events.col`` is the row at hand on the table and on each of its leaf partitions.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from airflow_retention.core.tenants import has_per_tenant_rules
 # -9223372036854775808::bigint, which overflows before the negation.
 MIN_KEY = -(2**63) + 1
 MAX_KEY = 2**63 - 1
+
+
+def target_from(policy: RetentionPolicy, relation: TableName | None = None) -> str:
+    """The target of a statement that reads or deletes the policy's rows: the table (or ``relation``, a
+    leaf partition) under the alias of the policy table's unqualified name (``"public"."events_p3" AS
+    "events"``). A ``condition`` may then write ``events.col`` for the row being deleted: a correlated
+    subquery binds to it, on a plain table and on every leaf alike (a leaf's own name would be unknown
+    to the condition). The one place the alias is made: every statement here goes through it."""
+    return f"{(relation or policy.table).sql} AS {quote_ident(policy.table.name)}"
 
 
 def eligibility(
@@ -67,7 +78,9 @@ def _per_tenant(policy: RetentionPolicy, target: TargetInfo) -> list[str]:
     ts = quote_ident(policy.timestamp_column)
     tenant = quote_ident(str(policy.tenant_column))
     # The tenant lists are cast once to the column's type (folded by the server), so that each row is
-    # compared as it is stored instead of paying a text cast of its tenant.
+    # compared as it is stored instead of paying a text cast of its tenant. The type carries its
+    # modifier (character(4), not character, which is char(1) and would cut 'acme' to 'a'), and every
+    # value was checked to fit it unchanged when the run was planned (tenants.compute).
     typed = f"::text[]::{target.tenant_type}[]" if target.tenant_type else "::text[]"
     own = f"(%(oc)s::timestamptz[])[array_position(%(ot)s{typed}, {tenant})]"
     return [
@@ -106,7 +119,7 @@ def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_
     """A batch's extent: the ``%(limit)s``-th key of the range from ``lo`` (of one tenant when filtered),
     eligible or not, found by walking the key index (an index-only scan). No row means fewer keys were
     left: the batch runs to the end of the range."""
-    table = policy.table.sql
+    table = target_from(policy)
     key = _key(policy)
     walk = [f"{key} >= %(lo)s::bigint", f"{key} < %(hi)s::bigint"]
     if tenant_filter:
@@ -128,7 +141,7 @@ def batch_statement(
     plain ``DELETE`` whose row count is the count. Block batches run on ``relation`` (a leaf partition)
     when given: a TID range only means something on one physical table.
     """
-    table = (relation or policy.table).sql
+    table = target_from(policy, relation)
     if policy.chunk_by == "block":
         # A TID range scan: the batch reads its blocks in order, like a slice of a sequential scan.
         in_batch = _in_blocks(eligibility(policy, target, tenant_filter=False, key_range=False))
@@ -177,11 +190,13 @@ def tenant_batch(policy: RetentionPolicy, target: TargetInfo, relation: TableNam
     """The one-pass batch over the blocks ``[%(lo_tid)s, %(hi_tid)s)``. ``%(only)s`` (text[], NULL for
     all) restricts it to some tenants: the engine's way round a tenant whose rows fail; ``%(skip)s``
     leaves out the chunk's dead letters."""
-    table = (relation or policy.table).sql
+    table = target_from(policy, relation)
     tenant = quote_ident(str(policy.tenant_column))
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
     in_batch = _in_blocks(pred) + _tenant_choice(tenant)
-    if policy.archive_table is None:
+    # A dry run only counts, archive table or not: it never reaches the DELETE of the archive branch
+    # (and runs read-only besides, core/engine.py).
+    if policy.archive_table is None or policy.dry_run:
         # The alias keeps GROUP BY on the column's own type; the text cast is paid once per tenant.
         counted = "0::bigint, 0::bigint, count(*)" if policy.dry_run else "count(*), 0::bigint, 0::bigint"
         count = f"SELECT {tenant}::text, {counted} FROM {table}\nWHERE {in_batch}\nGROUP BY {tenant} ORDER BY 1"
@@ -217,7 +232,7 @@ def tenants_in_batch_statement(policy: RetentionPolicy, target: TargetInfo, rela
     tenant = quote_ident(str(policy.tenant_column))
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
     return (
-        f"SELECT DISTINCT {tenant}::text FROM {(relation or policy.table).sql}\n"
+        f"SELECT DISTINCT {tenant}::text FROM {target_from(policy, relation)}\n"
         f"WHERE {_in_blocks(pred)}{_tenant_choice(tenant)}\nORDER BY 1"
     )
 
@@ -243,7 +258,7 @@ def _eligible_per_block(
     """Eligible rows grouped by their block number (``per``: divided into spans), in block order."""
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
     return (
-        f"SELECT (ctid::text::point)[0]::bigint{per}, count(*) FROM {(relation or policy.table).sql}{sample}"
+        f"SELECT (ctid::text::point)[0]::bigint{per}, count(*) FROM {target_from(policy, relation)}{sample}"
         f"\nWHERE {pred}\nGROUP BY 1 ORDER BY 1"
     )
 
@@ -259,7 +274,7 @@ BLOCK_COUNT = (
 def group_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
     """Eligible rows per tenant (one group when the policy has no tenant column): tenant as text,
     count, lowest and highest key. Parameters: ``cutoff``, ``lo``, ``hi`` (pass the bigint range)."""
-    table = policy.table.sql
+    table = target_from(policy)
     key = _key(policy)
     pred = eligibility(policy, target, tenant_filter=False, null_tenants=True)
     if policy.tenant_column is None:
@@ -275,7 +290,7 @@ def group_statement(policy: RetentionPolicy, target: TargetInfo) -> str:
 def boundary_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
     """The key of the ``%(offset)s``-th eligible row at or after ``lo`` (0-based), i.e. the first key of
     the next chunk, found by the server walking the index: the client never holds the keys."""
-    table = policy.table.sql
+    table = target_from(policy)
     key = _key(policy)
     pred = eligibility(policy, target, tenant_filter=tenant_filter)
     return f"SELECT {key} FROM {table}\nWHERE {pred}\nORDER BY {key}\nOFFSET %(offset)s::bigint LIMIT 1"
@@ -285,7 +300,7 @@ def leftover_statement(policy: RetentionPolicy, target: TargetInfo, *, since: bo
     """What a run left behind: the oldest eligible timestamp (an index walk on the timestamp) and how
     many eligible rows remain, counted up to ``%(cap)s``. Parameters: ``cutoff``, ``lo``, ``hi`` with
     key chunks, and with ``since`` a lower bound ``%(since)s`` on the timestamp (the lag window)."""
-    table = policy.table.sql
+    table = target_from(policy)
     ts = quote_ident(policy.timestamp_column)
     pred = eligibility(policy, target, tenant_filter=False, key_range=policy.chunk_by == "key")
     if since:
@@ -310,13 +325,14 @@ TENANT_CORRELATION = (
 
 def null_timestamps_statement(policy: RetentionPolicy) -> str:
     """Rows whose timestamp is NULL: never eligible (``NULL < cutoff`` is not true), so reported."""
-    return f"SELECT count(*) FROM {policy.table.sql} WHERE {quote_ident(policy.timestamp_column)} IS NULL"
+    return f"SELECT count(*) FROM {target_from(policy)} WHERE {quote_ident(policy.timestamp_column)} IS NULL"
 
 
 def condition_probe(policy: RetentionPolicy) -> str:
     """A statement that makes the server parse and plan the condition without reading a row; it is run
-    without parameters, so the condition goes in as written."""
-    return f"EXPLAIN SELECT 1 FROM {policy.table.sql} WHERE (\n{policy.condition}\n)"
+    without parameters, so the condition goes in as written; the target has the alias of every other
+    statement (:func:`target_from`)."""
+    return f"EXPLAIN SELECT 1 FROM {target_from(policy)} WHERE (\n{policy.condition}\n)"
 
 
 # -- partitioned tables (core/partitions.py plans them, core/detach.py runs partition chunks) ----------
@@ -393,17 +409,56 @@ def detach_statement(parent: TableName, partition: TableName, mode: str) -> str:
     return f"ALTER TABLE {parent.sql} DETACH PARTITION {partition.sql}" + (f" {mode}" if mode else "")
 
 
-def lock_statement(relation: TableName, mode: str) -> str:
-    """``LOCK TABLE`` in one of the two modes the engine takes: ``SHARE`` (writers wait, so a count
-    and a check stay true until commit) or ``ROW EXCLUSIVE`` (what a DELETE takes anyway: a concurrent
-    detach cannot finish while a batch runs)."""
-    if mode not in ("SHARE", "ROW EXCLUSIVE"):
+def lock_statement(relation: TableName, mode: str, *, only: bool = False) -> str:
+    """``LOCK TABLE`` in one of the modes the engine takes: ``SHARE`` (writers wait, so a count and a
+    check stay true until commit), ``ROW EXCLUSIVE`` (what a DELETE takes anyway: a concurrent detach
+    cannot finish while a batch runs) or ``ACCESS EXCLUSIVE`` (a plain detach: taken on the parent
+    first, as writers through the parent take theirs). ``only``: not the relation's partitions."""
+    if mode not in ("SHARE", "ROW EXCLUSIVE", "ACCESS EXCLUSIVE"):
         raise ValueError(f"unknown lock mode {mode!r}")
-    return f"LOCK TABLE {relation.sql} IN {mode} MODE"
+    return f"LOCK TABLE {'ONLY ' if only else ''}{relation.sql} IN {mode} MODE"
 
 
 def count_statement(relation: TableName) -> str:
     return f"SELECT count(*) FROM {relation.sql}"
+
+
+# The RANGE bounds that can prove a partition (``%(oid)s``) expired by time: its own bound and each of
+# its ancestors' below the policy's table (``%(root)s``), with the strategy and the single key column
+# (NULL for an expression or several columns) of the parent each bound belongs to, nearest first.
+PARTITION_BOUNDS = """
+WITH RECURSIVE up AS (
+    SELECT %(oid)s::oid AS relid, 0 AS depth
+  UNION ALL
+    SELECT i.inhparent, up.depth + 1 FROM up JOIN pg_catalog.pg_inherits i ON i.inhrelid = up.relid
+    WHERE up.relid <> %(root)s::regclass
+)
+SELECT pg_catalog.pg_get_expr(c.relpartbound, c.oid), p.partstrat::text,
+       (SELECT a.attname::text FROM pg_catalog.pg_attribute a
+        WHERE a.attrelid = p.partrelid AND p.partnatts = 1 AND a.attnum = p.partattrs[0])
+FROM up
+JOIN pg_catalog.pg_class c ON c.oid = up.relid
+JOIN pg_catalog.pg_inherits i ON i.inhrelid = up.relid
+JOIN pg_catalog.pg_partitioned_table p ON p.partrelid = i.inhparent
+WHERE up.relid <> %(root)s::regclass
+ORDER BY up.depth
+"""
+
+
+def partition_census_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName) -> str:
+    """A partition about to be removed, in one scan: per tenant (one row, tenant NULL, without a tenant
+    column; no row for an empty partition with one), the tenant as text, its rows, and how many of them
+    the policy keeps (the condition fails or is NULL, no tenant, a tenant's own cutoff not reached).
+    The partition is removed only when that last number is 0 everywhere: then every row counted is one
+    the policy deletes, and the rows per tenant are the chunk's ``tenant_counts``."""
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    kept = f"count(*) FILTER (WHERE NOT coalesce((\n  {pred}\n), false))"
+    source = target_from(policy, relation)
+    if policy.tenant_column is None:
+        return f"SELECT NULL::text, count(*), {kept} FROM {source}"
+    tenant = quote_ident(policy.tenant_column)
+    # Grouped on the column's own type; the text cast is paid once per tenant.
+    return f"SELECT {tenant}::text AS tenant_value, count(*), {kept} FROM {source}\nGROUP BY {tenant} ORDER BY 1"
 
 
 def drop_statement(relation: TableName) -> str:
@@ -418,13 +473,13 @@ def ineligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, rel
     """Whether ``relation`` holds a row the policy keeps (the condition fails, or is NULL): a partition
     with such a row must not be detached or dropped. Stops at the first one."""
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
-    return f"SELECT EXISTS (SELECT 1 FROM {relation.sql} WHERE NOT coalesce((\n  {pred}\n), false))"
+    return f"SELECT EXISTS (SELECT 1 FROM {target_from(policy, relation)} WHERE NOT coalesce((\n  {pred}\n), false))"
 
 
 def eligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName) -> str:
     """Whether ``relation`` holds an eligible row now (an index walk where there is an index)."""
     pred = eligibility(policy, target, tenant_filter=False, key_range=False)
-    return f"SELECT EXISTS (SELECT 1 FROM {relation.sql} WHERE {pred})"
+    return f"SELECT EXISTS (SELECT 1 FROM {target_from(policy, relation)} WHERE {pred})"
 
 
 # Privileges of the current role on a relation, by name: has it each table privilege, does it own it.

@@ -67,16 +67,20 @@ class TenantCutoffs:
 def frozen(conn: Any, ledger: Ledger, policy: RetentionPolicy, run_key: str, cutoff: datetime) -> TenantCutoffs:
     """The run's cutoffs as its planner froze them in the ledger (none recorded: the run's cutoff for all).
     A run frozen with per-tenant cutoffs whose policy has lost its per-tenant rules since cannot honour
-    them (its statements would not test them): it fails, rather than purge those tenants early."""
-    if policy.tenant_column is None:
-        return TenantCutoffs(cutoff)
+    them (its statements would not test them): it fails, rather than purge those tenants early. That
+    includes a policy that lost its ``tenant_column``: its statements test no tenant at all."""
+    # Read the ledger before looking at the policy: the frozen cutoffs, not today's policy, say whether
+    # this run has per-tenant rules to honour.
     overrides = tuple(ledger.tenant_cutoffs(conn, run_key))
+    if policy.tenant_column is None and not overrides:
+        return TenantCutoffs(cutoff)
     if overrides and not has_per_tenant_rules(policy):
         raise PermanentError(
             f"policy {policy.name!r}: run {run_key} was planned with per-tenant retention for"
-            f" {len(overrides)} tenant(s), and the policy has none now: restore tenant_retention (or"
-            " tenant_retention_table) until the run is complete, or delete the run from the ledger and plan it"
-            " again; nothing was deleted"
+            f" {len(overrides)} tenant(s), and the policy has none now: restore"
+            + (" tenant_column and" if policy.tenant_column is None else "")
+            + " tenant_retention (or tenant_retention_table) until the run is complete, or delete the run from"
+            " the ledger and plan it again; nothing was deleted"
         )
     return TenantCutoffs(cutoff, overrides)
 
@@ -98,12 +102,19 @@ def compute(
     if policy.tenant_retention_table is not None:
         table = _read_table(conn, policy, target)
         canonical = _canonical(conn, policy, target, [t for t, _ in table], "tenant_retention_table")
-        for tenant, retention in table:
-            found[canonical[tenant]] = (retention, "table")
+        longest = _longest_per_tenant(conn, policy, anchor, [(canonical[t], r) for t, r in table])
+        for tenant, retention in longest.items():
+            found[tenant] = (retention, "table")
     if policy.tenant_retention:
         canonical = _canonical(conn, policy, target, [t for t, _ in policy.tenant_retention], "tenant_retention")
+        mapped: dict[str, Retention] = {}
         for tenant, retention in policy.tenant_retention:
-            found[canonical[tenant]] = (retention, "policy")
+            # Two keys the column prints alike ('007' and '7' of an integer column): the longest wins, as above.
+            earlier = mapped.get(canonical[tenant])
+            if earlier is None or retention.before(anchor) < earlier.before(anchor):
+                mapped[canonical[tenant]] = retention
+        for tenant, retention in mapped.items():
+            found[tenant] = (retention, "policy")
     if not found:
         return TenantCutoffs(cutoff)
     overrides = []
@@ -139,6 +150,8 @@ def _read_table(conn: Any, policy: RetentionPolicy, target: TargetInfo) -> list[
     table = policy.tenant_retention_table
     assert table is not None and policy.tenant_column is not None
     where = f"policy {policy.name!r}: field 'tenant_retention_table'"
+    # Types without their modifier: only whether 'retention' is an interval matters here (the tenant
+    # values are read as text, then checked against the target's column by _canonical).
     columns = dbapi.fetch_all(
         conn,
         "SELECT a.attname::text, format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a"
@@ -167,6 +180,44 @@ def _read_table(conn: Any, policy: RetentionPolicy, target: TargetInfo) -> list[
     return [(t, r) for t, r, _ in rows]
 
 
+def _longest_per_tenant(
+    conn: Any, policy: RetentionPolicy, anchor: datetime, rows: list[tuple[str, str]]
+) -> dict[str, str]:
+    """One retention per tenant of the lookup table. A tenant listed more than once (no unique index on
+    the table, or two values the column prints alike) gets its longest retention, the one that keeps the
+    most rows (the earliest cutoff from this run's date; an exact tie, the first in text order), never
+    whichever row the scan returned last; a warning names the tenant and its rows."""
+    by_tenant: dict[str, list[str]] = {}
+    for tenant, retention in rows:
+        by_tenant.setdefault(tenant, []).append(retention)
+    duplicated = {t: sorted(rs) for t, rs in by_tenant.items() if len(rs) > 1}
+    if not duplicated:
+        return {t: rs[0] for t, rs in by_tenant.items()}
+    pairs = [(t, r) for t, rs in duplicated.items() for r in rs]
+    # The server compares the cutoffs, calendar-aware as for ``retention`` ('1 month' against '30 days').
+    ordered = dbapi.fetch_all(
+        conn,
+        "SELECT t, r FROM unnest(%(t)s::text[], %(r)s::text[]) AS x(t, r)"
+        " ORDER BY t, (%(a)s::timestamptz AT TIME ZONE 'UTC') - r::interval, r",
+        {"a": anchor, "t": [t for t, _ in pairs], "r": [r for _, r in pairs]},
+    )
+    chosen = {t: rs[0] for t, rs in by_tenant.items()}
+    for tenant, retention in reversed(ordered):  # the first row of each tenant (earliest cutoff) wins
+        chosen[tenant] = retention
+    for tenant, retentions in sorted(duplicated.items()):
+        log.warning(
+            "policy %s: tenant_retention_table %s lists tenant %r %d times (retention %s): the longest, %s,"
+            " applies (it keeps the most rows); remove the duplicate rows",
+            policy.name,
+            policy.tenant_retention_table,
+            tenant,
+            len(retentions),
+            ", ".join(retentions),
+            chosen[tenant],
+        )
+    return chosen
+
+
 def _table_cutoffs(conn: Any, anchor: datetime, rows: dict[str, Retention | str]) -> dict[str, datetime]:
     """``anchor - interval`` in UTC, by the server (calendar-aware, as for ``retention``)."""
     tenants = list(rows)
@@ -184,14 +235,29 @@ def _canonical(
 ) -> dict[str, str]:
     """Each tenant value as the tenant column prints it (``'007'`` → ``'7'``, an upper-case uuid → lower
     case): rows are matched by ``tenant_column::text``, so a value written another way would match
-    nothing and its tenant would get the default retention. A value the column cannot hold is refused."""
+    nothing and its tenant would get the default retention. A value the column cannot hold is refused,
+    and so is one it would store as another value: a cast to ``character(4)`` or ``varchar(4)`` cuts
+    ``'acmecorp'`` to ``'acme'``, ``numeric(5,2)`` rounds 1.005 to 1.01, ``bit(4)`` cuts or pads; a rule
+    written for one tenant would then apply to another. The value must equal itself cast to the column's
+    type, compared in the type's base without a modifier (``'ac'`` fits ``character(4)``, ``7`` fits
+    ``numeric(5,2)`` and prints ``7.00``)."""
+    fits = f"%(t)s::text::{target.tenant_base_type} = %(t)s::text::{target.tenant_type}"
     out = {}
     for tenant in tenants:
         try:
-            (out[tenant],) = dbapi.fetch_all(conn, f"SELECT %(t)s::text::{target.tenant_type}::text", {"t": tenant})[0]
+            printed, same = dbapi.fetch_all(
+                conn,
+                f"SELECT %(t)s::text::{target.tenant_type}::text, "
+                + (fits if target.tenant_base_type is not None else "true"),
+                {"t": tenant},
+            )[0]
         except PermanentError:
+            same, printed = False, None
+        if not same:
+            stored = f": the column would store it as {printed!r}" if printed is not None else ""
             raise PermanentError(
                 f"policy {policy.name!r}: field {field_name!r}: tenant {tenant!r} is not a value of column"
-                f" {policy.tenant_column!r} ({target.tenant_type}); nothing was deleted"
-            ) from None
+                f" {policy.tenant_column!r} ({target.tenant_type}){stored}; nothing was deleted"
+            )
+        out[tenant] = printed
     return out

@@ -27,16 +27,27 @@ LAG_AT_VERIFY_TIMEOUT_MS = 2_000
 
 @dataclass(frozen=True)
 class Verification:
+    """A run's expected chunks against the ledger.
+
+    :param complete: expected chunks whose ledger row is ``complete`` (with or without dead letters).
+    :param missing: what is not complete: expected chunks not complete (or without a ledger row), and
+        disagreements between the plan and the ledger.
+    :param left: open dead letters, ``"<chunk key> (tenant T left: <cause>)"``: tenants of a chunk whose
+        rows were left behind (the chunk itself is complete, its other tenants purged). They keep the
+        run from being complete like a missing chunk does.
+    """
+
     run_key: str
     expected: int
     complete: int
     missing: list[str] = field(default_factory=list)
     rows_deleted: int = 0
     run_found: bool = True
+    left: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.run_found and not self.missing
+        return self.run_found and not self.missing and not self.left
 
     def describe(self) -> str:
         if not self.run_found:
@@ -46,10 +57,20 @@ class Verification:
                 f"run {self.run_key}: all {self.expected} expected chunk(s) complete,"
                 f" {self.rows_deleted} row(s) deleted"
             )
-        return (
-            f"run {self.run_key}: {self.complete} of {self.expected} expected chunk(s) complete;"
-            f" missing: {', '.join(self.missing[:20])}" + (" …" if len(self.missing) > 20 else "")
-        )
+        # A chunk with a dead letter is complete in the ledger, yet the run is not done: say which is which.
+        text = f"run {self.run_key}: {self.complete} of {self.expected} expected chunk(s) complete"
+        if self.left:
+            chunks = len({item.split(" (tenant ", 1)[0] for item in self.left})
+            text += f", {chunks} chunk(s) with tenant(s) left as dead letters"
+        if self.missing:
+            text += f"; missing: {_listed(self.missing)}"
+        if self.left:
+            text += f"; dead letters (tenants not purged): {_listed(self.left)}"
+        return text
+
+
+def _listed(items: Sequence[str]) -> str:
+    return ", ".join(items[:20]) + (" …" if len(items) > 20 else "")
 
 
 def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
@@ -67,7 +88,7 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
         missing.append(f"{run['chunks_expected'] - len(rows)} chunk row(s) deleted from the ledger")
     with dbapi.transaction(conn) as cur:
         letters = ledger.open_dead_letters(cur, run_key)
-    missing += [f"{d['chunk_key']} (tenant {d['tenant']} left: {d['failure_class']})" for d in letters]
+    left = [f"{d['chunk_key']} (tenant {d['tenant']} left: {d['failure_class']})" for d in letters]
     if expected_keys is not None and len(expected_keys) != run["chunks_expected"]:
         missing.append(
             f"the plan handed out {len(expected_keys)} chunk(s), the ledger's plan has {run['chunks_expected']}"
@@ -78,6 +99,7 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
         complete=len(complete),
         missing=missing,
         rows_deleted=sum(rows[k]["rows_deleted"] for k in complete),
+        left=left,
     )
 
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from airflow_retention.core import dbapi
 from airflow_retention.core.catalog import inspect_target
+from airflow_retention.core.identifiers import quote_ident
 from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.sql import MAX_KEY, MIN_KEY, eligibility
+from airflow_retention.core.sql import MAX_KEY, MIN_KEY, eligibility, target_from
 
 SCHEMA_SQL = """
 DROP TABLE IF EXISTS public.webhook_deliveries, public.tenant_events, public.api_requests;
@@ -170,11 +171,13 @@ def snapshot(conn: Any, policy: RetentionPolicy, cutoff: datetime) -> Snapshot:
     target = inspect_target(conn, policy)
     where = eligibility(policy, target, tenant_filter=False, key_range=policy.chunk_by == "key")
     params = {"cutoff": cutoff, "lo": MIN_KEY, "hi": MAX_KEY}
-    eligible = dbapi.fetch_all(conn, f"SELECT count(*) FROM {policy.table.sql} WHERE {where}", params)[0][0]
+    # The target under the alias the engine gives it, so that the condition reads the same rows.
+    table, row = target_from(policy), quote_ident(policy.table.name)
+    eligible = dbapi.fetch_all(conn, f"SELECT count(*) FROM {table} WHERE {where}", params)[0][0]
     keep = dbapi.fetch_all(
         conn,
-        "SELECT count(*), coalesce(sum(hashtextextended(kept::text, 0)::numeric), 0)"
-        f" FROM {policy.table.sql} AS kept WHERE NOT coalesce(({where}), false)",
+        f"SELECT count(*), coalesce(sum(hashtextextended(ROW({row}.*)::text, 0)::numeric), 0)"
+        f" FROM {table} WHERE NOT coalesce(({where}), false)",
         params,
     )[0]
     total = dbapi.fetch_all(conn, f"SELECT count(*) FROM {policy.table.sql}")[0][0]

@@ -48,9 +48,11 @@ class RetentionHook(PostgresHook):
         finally:
             conn.close()
 
-    def plan(self, cutoff: datetime, *, max_chunks: int, planned_by: str | None = None) -> Plan:
+    def plan(
+        self, cutoff: datetime, *, max_chunks: int, planned_by: str | None = None, run_date: datetime | None = None
+    ) -> Plan:
         with self.open_connection() as conn:
-            return plan_run(conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by)
+            return plan_run(conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by, run_date=run_date)
 
     def run_chunk(
         self,
@@ -60,9 +62,22 @@ class RetentionHook(PostgresHook):
         *,
         lone: bool = False,
         on_batch: Callable[[BatchReport], None] | None = None,
+        run_date: datetime | None = None,
+        policy: RetentionPolicy | None = None,
     ) -> ChunkResult:
+        """Purge one chunk; ``policy`` overrides the hook's for this chunk (a lone key range of a policy
+        that chunks by blocks runs it with ``chunk_by: key``)."""
         with self.open_connection() as conn:
-            return run_chunk(conn, self.policy, cutoff, chunk, attempt=attempt, lone=lone, on_batch=on_batch)
+            return run_chunk(
+                conn,
+                policy or self.policy,
+                cutoff,
+                chunk,
+                attempt=attempt,
+                lone=lone,
+                on_batch=on_batch,
+                run_date=run_date,
+            )
 
     def verify(self, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
         with self.open_connection() as conn:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from datetime import datetime
@@ -16,7 +17,8 @@ from airflow_retention.core import dbapi
 from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
 from airflow_retention.core.engine import ChunkResult, default_host
 from airflow_retention.core.errors import PermanentError, PolicyError
-from airflow_retention.core.ledger import Attempt, ChunkSpec
+from airflow_retention.core.identifiers import TableName
+from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, Attempt, ChunkSpec
 from airflow_retention.core.planner import chunk_key as make_chunk_key
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.verify import Leftovers
@@ -94,6 +96,55 @@ def report_lag(log: Any, policy: RetentionPolicy, run_key: str, cutoff: datetime
         log.info("run %s: %s", run_key, leftovers.describe(cutoff))
 
 
+def range_problem(
+    policy: RetentionPolicy,
+    *,
+    keys: Sequence[Any] | None,
+    blocks: Sequence[Any] | None,
+    bare: bool,
+    tenants: Sequence[Any] | None,
+    from_plan: bool,
+    partition: str | None,
+    action: str | None,
+) -> str | None:
+    """What is wrong with the way a chunk task is given its range, in words naming the fields; None when
+    nothing is. Bare ``lo``/``hi`` are the planner's (its unit is the plan's) or a partition's blocks: a
+    lone chunk of a whole table must say which it means, since with ``chunk_by: block`` (the default)
+    ``lo=0, hi=1_000_000`` would be the first million blocks, not the ids below a million."""
+    given = [name for name, value in (("keys", keys), ("blocks", blocks)) if value is not None]
+    if len(given) > 1 or (given and bare):
+        shown = " and ".join(given + (["lo/hi"] if bare else []))
+        return f"the range is given twice ({shown}): give one of keys=(lo, hi) or blocks=(lo, hi)"
+    pair = keys if keys is not None else blocks
+    if pair is not None and (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2):
+        return f"{given[0]} must be a pair (lo, hi), got {pair!r}"
+    if keys is not None:
+        if policy.key_column is None:
+            return (
+                f"keys=(lo, hi) is a range of the policy's key_column, and policy {policy.name!r} has none (its"
+                f" chunks are blocks of {policy.table}): set key_column, or give blocks=(lo, hi)"
+            )
+        if partition is not None:
+            return "keys=(lo, hi) with partition=: a partition's chunk is a range of its blocks; give blocks=(lo, hi)"
+    if blocks is not None and tenants is not None:
+        return (
+            "tenants= with blocks=(lo, hi): a block range purges every tenant's eligible rows in its blocks;"
+            " give keys=(lo, hi) to purge some tenants only"
+        )
+    if action is not None or given:
+        return None
+    if not bare:
+        return "no range: give keys=(lo, hi) (a range of the key column) or blocks=(lo, hi) (of the table's blocks)"
+    if not from_plan and partition is None:
+        unit = "block numbers" if policy.chunk_by == "block" else "keys"
+        return (
+            f"bare lo/hi are ambiguous for a lone chunk: their meaning depends on the policy's chunk_by"
+            f" ({policy.chunk_by!r}: here they would be {unit}). Give keys=(lo, hi) for a range of"
+            f" {policy.key_column or 'the key column'}, or blocks=(lo, hi) for the table's physical blocks"
+        )
+    return None
+
+
 def fail_fast(exc: Exception) -> AirflowFailException:
     """A problem no retry can fix fails the task at once, with the core's message."""
     return AirflowFailException(str(exc))
@@ -128,7 +179,8 @@ class RetentionPlanOperator(BaseOperator):
         max_chunks = min(self.max_chunks or limit, limit)
         self._measure_previous_lag()
         try:
-            cutoff = cutoff_from_context(self.policy, context)
+            run_date = anchor_from_context(context)
+            cutoff = freeze_cutoff(self.policy, run_date)
             self.log.info(
                 "policy %s: cutoff frozen at %s (run date minus %s)",
                 self.policy.name,
@@ -136,7 +188,9 @@ class RetentionPlanOperator(BaseOperator):
                 self.policy.retention,
             )
             started = time.perf_counter()
-            plan = self.hook.plan(cutoff, max_chunks=max_chunks, planned_by=attempt_from_context(context).label())
+            plan = self.hook.plan(
+                cutoff, max_chunks=max_chunks, planned_by=attempt_from_context(context).label(), run_date=run_date
+            )
             planning_seconds = time.perf_counter() - started
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc
@@ -183,13 +237,21 @@ class RetentionChunkOperator(BaseOperator):
     """Delete the eligible rows of one chunk in bounded batches, recording each batch in the ledger.
 
     Usually mapped over a plan: ``RetentionChunkOperator.partial(policy=...).expand_kwargs(plan.output)``;
-    usable alone in any DAG with an explicit range. Returns a small summary (rows deleted, batches,
-    seconds, already complete or not). A chunk already complete in the ledger is a no-op.
+    usable alone in any DAG with an explicit range, ``keys=(lo, hi)`` or ``blocks=(lo, hi)``. Returns a
+    small summary (rows deleted, batches, seconds, already complete or not). A chunk already complete in
+    the ledger is a no-op.
 
     :param policy: the retention policy.
-    :param lo: first key of the chunk's range (inclusive).
-    :param hi: end of the chunk's range (exclusive).
-    :param tenants: tenant values (as text) the chunk covers; None for every row in the range.
+    :param keys: a key range ``(lo, hi)`` of the policy's ``key_column``, ``lo`` inclusive, ``hi``
+        exclusive, whatever the policy's ``chunk_by`` (the chunk then runs as ``chunk_by: key``).
+    :param blocks: a range ``(lo, hi)`` of the table's (or ``partition``'s) physical blocks, whatever the
+        policy's ``chunk_by``; every tenant's rows in them.
+    :param lo: first of the range the planner gave (inclusive), in the unit of its plan: the policy's
+        ``chunk_by``, or blocks of ``partition``. Refused for a lone chunk without ``partition``: there
+        its meaning would depend on ``chunk_by`` (use ``keys`` or ``blocks``).
+    :param hi: end of that range (exclusive).
+    :param tenants: tenant values (as text) the chunk covers (key ranges only); None for every row in
+        the range.
     :param cutoff: the run's frozen cutoff (ISO 8601); default: frozen from this run's date.
     :param chunk_key: the chunk's identity in the ledger; default derived from tenants and range.
     :param rows_planned: eligible rows at planning time, for the logs.
@@ -197,21 +259,25 @@ class RetentionChunkOperator(BaseOperator):
         ``retention_task_group``): it must be in the ledger's plan.
         Left False, the chunk is a lone one with a ledger run of its own (``<run key>#lone``).
     :param partition: of a partitioned table's chunk, the partition it works on (``schema.name``):
-        ``lo``/``hi`` are then block numbers of that leaf, or ``action`` says what becomes of it.
+        its range is of that leaf's blocks, or ``action`` says what becomes of it.
     :param partition_oid: the partition's oid at planning: a partition renamed, detached or dropped
         since is recognised and left alone.
-    :param action: ``"detach"`` or ``"drop"`` for a whole expired partition; None to delete rows.
+    :param action: ``"detach"`` or ``"drop"`` for a whole expired partition (no range); None to delete rows.
+    :raises ValueError: when the DAG is parsed, for a range given twice, in no way, or as bare
+        ``lo``/``hi`` of a lone chunk; ``keys`` without the policy's ``key_column`` or with a partition.
     """
 
-    template_fields: Sequence[str] = ("cutoff", "lo", "hi", "tenants", "chunk_key")
+    template_fields: Sequence[str] = ("cutoff", "keys", "blocks", "lo", "hi", "tenants", "chunk_key")
     ui_color = "#fce8e6"
 
     def __init__(
         self,
         *,
         policy: RetentionPolicy,
-        lo: int | str,
-        hi: int | str,
+        keys: Sequence[int | str] | None = None,
+        blocks: Sequence[int | str] | None = None,
+        lo: int | str | None = None,
+        hi: int | str | None = None,
         tenants: Sequence[Any] | None = None,
         cutoff: str | datetime | None = None,
         chunk_key: str | None = None,
@@ -224,7 +290,21 @@ class RetentionChunkOperator(BaseOperator):
     ) -> None:
         kwargs.setdefault("map_index_template", CHUNK_LABEL_TEMPLATE)
         super().__init__(**kwargs)
+        problem = range_problem(
+            policy,
+            keys=keys,
+            blocks=blocks,
+            bare=lo is not None or hi is not None,
+            tenants=tenants,
+            from_plan=from_plan,
+            partition=partition,
+            action=action,
+        )
+        if problem is not None:
+            raise ValueError(f"RetentionChunkOperator {kwargs.get('task_id')!r} (policy {policy.name!r}): {problem}")
         self.policy = policy
+        self.keys = keys
+        self.blocks = blocks
         self.lo = lo
         self.hi = hi
         self.tenants = tenants
@@ -240,14 +320,42 @@ class RetentionChunkOperator(BaseOperator):
     def hook(self) -> RetentionHook:
         return RetentionHook(policy=self.policy)
 
-    def _chunk(self) -> ChunkSpec:
+    def _range(self) -> tuple[str, int, int]:
+        """The chunk's range as integers, and its unit: ``"keys"``, ``"blocks"`` or ``"plan"`` (bare
+        ``lo``/``hi``: the unit of the plan or of the partition)."""
+        unit, pair = next(
+            ((u, p) for u, p in (("keys", self.keys), ("blocks", self.blocks)) if p is not None),
+            ("plan", (self.lo, self.hi)),
+        )
+        if self.action is not None and pair == (None, None):
+            return "plan", 0, 1  # a whole partition: the range the planner records for it
         try:
-            lo, hi = int(self.lo), int(self.hi)
+            lo, hi = (int(v) for v in pair)  # type: ignore[arg-type, union-attr]
         except (TypeError, ValueError):
-            raise AirflowFailException(f"chunk range must be integers, got lo={self.lo!r} hi={self.hi!r}") from None
+            shown = f"{unit}={pair!r}" if unit != "plan" else f"lo={self.lo!r} hi={self.hi!r}"
+            raise AirflowFailException(f"chunk range must be two integers (lo, hi), got {shown}") from None
+        return unit, lo, hi
+
+    def _chunk(self) -> ChunkSpec:
+        return self._chunk_and_policy()[1]
+
+    def _chunk_and_policy(self) -> tuple[RetentionPolicy, ChunkSpec]:
+        """The chunk, and the policy it runs under: a ``keys`` range of a policy that chunks by blocks
+        runs with ``chunk_by: key``, a ``blocks`` range of one that chunks by keys with ``chunk_by: block``."""
+        unit, lo, hi = self._range()
         tenants = tuple(str(t) for t in self.tenants) if self.tenants is not None else None
-        return ChunkSpec(
-            key=self.chunk_key or make_chunk_key(tenants, lo, hi),
+        policy = self.policy
+        key = self.chunk_key
+        if unit == "keys":
+            if policy.chunk_by != "key":
+                policy = dataclasses.replace(policy, chunk_by="key")
+        elif unit == "blocks":
+            if policy.chunk_by != "block":
+                policy = dataclasses.replace(policy, chunk_by="block")
+            at = f"@{TableName.parse(self.partition)}" if self.partition is not None else ""
+            key = key or f"{BLOCK_CHUNK_PREFIX}{lo}-{hi}{at}"
+        spec = ChunkSpec(
+            key=key or make_chunk_key(tenants, lo, hi),
             lo=lo,
             hi=hi,
             tenants=tenants,
@@ -256,6 +364,7 @@ class RetentionChunkOperator(BaseOperator):
             partition_oid=int(self.partition_oid) if self.partition_oid is not None else None,
             action=self.action,
         )
+        return policy, spec
 
     @property
     def chunk_label(self) -> str:
@@ -263,7 +372,7 @@ class RetentionChunkOperator(BaseOperator):
         try:
             return self._chunk().label()
         except AirflowFailException:
-            return f"invalid range lo={self.lo!r} hi={self.hi!r}"
+            return f"invalid range {self.keys or self.blocks or (self.lo, self.hi)!r}"
 
     def _rows_deleted_in_ledger(self, result: ChunkResult) -> int | None:
         """The chunk's rows deleted over all its tries, for the label; None when the ledger cannot say."""
@@ -276,9 +385,12 @@ class RetentionChunkOperator(BaseOperator):
         return int(row[5]) if row is not None else None
 
     def execute(self, context: Context) -> dict[str, Any]:
-        chunk = self._chunk()
+        policy, chunk = self._chunk_and_policy()
         try:
-            cutoff = parse_cutoff(self.cutoff) if self.cutoff else cutoff_from_context(self.policy, context)
+            # The run's date itself goes with the cutoff frozen from it (per-tenant cutoffs are frozen
+            # from it); a cutoff given explicitly comes without one.
+            run_date = None if self.cutoff else anchor_from_context(context)
+            cutoff = parse_cutoff(self.cutoff) if self.cutoff else freeze_cutoff(self.policy, run_date)
             self.log.info(
                 "policy %s: chunk %s (ledger key %s), cutoff %s, first batch size %d%s",
                 self.policy.name,
@@ -297,6 +409,8 @@ class RetentionChunkOperator(BaseOperator):
                 attempt,
                 lone=not self.from_plan,
                 on_batch=lambda report: metrics.batch(self.policy, report),
+                run_date=run_date,
+                policy=policy,
             )
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc

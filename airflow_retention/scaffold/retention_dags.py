@@ -1,7 +1,9 @@
 """One retention DAG per policy in ``retention_policies.yaml`` beside this file.
 
-Set ``AIRFLOW_RETENTION_POLICIES`` to read another file. A policy with a mistake becomes an import error
-naming the policy and the field; the other policies' DAGs still load.
+Set ``AIRFLOW_RETENTION_POLICIES`` to read another file. A policy with a mistake becomes a DAG of its own,
+``retention_<name>``, tagged ``invalid``, whose description names the policy and the field and whose one task
+fails at once; the other policies' DAGs load and run as usual. The file never raises: an import error would
+make Airflow's dag-processor drop every DAG of the file, the good policies' too.
 """
 
 from __future__ import annotations

@@ -421,3 +421,18 @@ def test_verify_says_which_tenant_a_packed_key_chunk_is_at(
     result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "verify", "events_purge", "--date", RUN_DATE)
     assert result.code == 1, result.err
     assert f"tenant 3 (3 of 4) · {next_key:,}" in result.out
+
+
+def test_plan_freezes_tenant_cutoffs_from_the_date_given(capsys: Any, admin: Any, schema: str, tmp_path: Path) -> None:
+    """``--date 2026-03-31`` with ``retention: 1 month`` (cutoff 02-28): tenant 1's "7 days" is frozen
+    from 03-31 itself (03-24), not from a date rebuilt from the cutoff (03-28, giving 03-21). Given only
+    the cutoff 02-28, which the runs of 03-28 to 03-31 share, the command asks for the date."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 200)
+    data = policy_data(schema, retention="1 month", tenant_column="tenant_id", tenant_retention={1: "7 days"})
+    args = ["--policies", str(write_policies(tmp_path / "policies.yaml", data)), "--dsn", DSN, "plan", "events_purge"]
+    found = run_cli(capsys, *args, "--date", "2026-03-31", "--json").json()
+    assert found["cutoff"] == "2026-02-28T00:00:00+00:00"
+    assert [(t["tenant"], t["cutoff"]) for t in found["tenant_cutoffs"]] == [("1", "2026-03-24T00:00:00+00:00")]
+    refused = run_cli(capsys, *args, "--cutoff", "2026-02-28T00:00:00Z")
+    assert refused.code == 2 and "--date" in refused.err and "does not tell it" in refused.err

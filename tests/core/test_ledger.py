@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -163,8 +164,13 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     )
     rows(admin, f"INSERT INTO {s}.ledger_version (version) VALUES (1)")
     with dbapi.transaction(conn) as cur:
-        ledger.register_run(cur, _record("p@v1", 2))
-        # The chunk rows as version 1 wrote them (today's insert names columns v1 did not have).
+        # The run and chunk rows as version 1 wrote them (today's inserts name columns v1 did not have).
+        cur.execute(
+            f"INSERT INTO {s}.runs (run_key, policy, target_table, cutoff, state, chunk_rows, batch_size,"
+            " chunks_expected, rows_planned, planned_by)"
+            " VALUES ('p@v1', 'p_v1', 'public.t', %(c)s, 'planned', 10, 5, 2, 20, 'test')",
+            {"c": CUTOFF},
+        )
         cur.execute(
             f"INSERT INTO {s}.chunks (run_key, chunk_key, seq, lo, hi, next_key)"
             " VALUES ('p@v1', 'a', 0, 1, 11, 1), ('p@v1', 'b', 1, 11, 21, 11)"
@@ -177,8 +183,8 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     old_run = ledger_run(admin, ledger.schema, "p@v1")
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 4
-    assert ledger.version(conn) == 4
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 5
+    assert ledger.version(conn) == 5
     chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     new_columns = {
         "tenant_pos": 0,
@@ -209,6 +215,7 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
         "cleanup_lag_seconds": None,
         "lag_measured_at": None,
         "vacuumed_at": None,
+        "run_date": None,
     }
     # The migrated ledger works with the new code: progress with a tenant position, and read back.
     with dbapi.transaction(conn) as cur:
@@ -248,3 +255,46 @@ def test_prune_deletes_only_the_policys_runs_last_touched_long_ago(schema: str, 
     assert ledger.prune(conn, "p", 90) == 0
     assert ledger.prune(conn, "q", 90) == 1
     assert ledger.policies(conn) == ["p"]
+
+
+def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    """Version 5 records each run's date beside its cutoff. A ledger of version 4 is migrated by
+    ensure(), keeping its rows (their run date unknown, NULL); before that, readers that never migrate
+    (the CLI's status, the UI) read its runs without failing on the missing column."""
+    ledger = Ledger(f"{schema}_ledger")
+    s = ledger.s
+    rows(admin, f"CREATE SCHEMA {s}")
+    for step in range(1, 5):
+        rows(admin, _MIGRATIONS[step].format(s=s))
+    rows(
+        admin,
+        f"CREATE TABLE {s}.ledger_version (singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),"
+        " version integer NOT NULL, migrated_at timestamptz NOT NULL DEFAULT now())",
+    )
+    rows(admin, f"INSERT INTO {s}.ledger_version (version) VALUES (4)")
+    rows(
+        admin,
+        f"INSERT INTO {s}.runs (run_key, policy, target_table, cutoff, state, chunk_rows, batch_size,"
+        " chunks_expected, rows_planned, planned_by) VALUES ('p@v4', 'p', 'public.t', %(c)s, 'planned', 10, 5, 1,"
+        " 10, 'test')",
+        {"c": CUTOFF},
+    )
+    old_run = ledger_run(admin, ledger.schema, "p@v4")
+    assert old_run is not None and "run_date" not in old_run
+    read = ledger.get_run(conn, "p@v4")
+    assert read is not None and read["run_date"] is None and read["cutoff"] == CUTOFF
+    assert [r["run_key"] for r in ledger.recent_runs(conn, "p")] == ["p@v4"]
+
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 5
+    run = ledger_run(admin, ledger.schema, "p@v4")
+    assert run is not None
+    assert {k: run[k] for k in old_run} == old_run
+    assert set(run) - set(old_run) == {"run_date"} and run["run_date"] is None
+    run_date = CUTOFF + timedelta(days=30)  # a run of "30 days"
+    with dbapi.transaction(conn) as cur:
+        ledger.register_run(cur, dataclasses.replace(_record("q@v5", 0), run_date=run_date))
+    stored = ledger.get_run(conn, "q@v5")
+    assert stored is not None and stored["run_date"] == run_date
+    assert scalar(admin, f"SELECT run_date FROM {s}.runs WHERE run_key = 'q@v5'") == run_date

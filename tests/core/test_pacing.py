@@ -13,12 +13,15 @@ import pytest
 from airflow_retention.core.engine import BatchReport, run_chunk
 from airflow_retention.core.errors import PolicyError, RetryableError
 from airflow_retention.core.pacing import (
+    CONFLICT_BACKOFF_BASE_S,
+    CONFLICT_BACKOFF_CAP_S,
     FULL_PAGE_SHRINK,
     MAX_BACKOFF_MS,
     BatchSizer,
     CheckpointWatch,
     Pacer,
     Throttler,
+    conflict_backoff,
     read_pressure,
 )
 from airflow_retention.core.planner import plan_run
@@ -588,3 +591,108 @@ def test_a_slow_batch_is_cut_short_by_the_statement_cap_and_retried_smaller(sche
     row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
     assert row["max_batch_size"] == max(sizes) < 1000  # the cancelled batches left no trace but the log
     assert row["rows_deleted"] == len(eligible)
+
+
+# -- serialization failures and lock waits ------------------------------------------------------------
+
+
+def test_conflict_backoff_doubles_with_jitter_up_to_its_cap() -> None:
+    rng = random.Random(7)
+    pauses = [conflict_backoff(n, rng) for n in range(1, 12)]
+    for n, pause in enumerate(pauses, start=1):
+        step = min(CONFLICT_BACKOFF_CAP_S, CONFLICT_BACKOFF_BASE_S * 2 ** (n - 1))
+        assert step / 2 <= pause <= step
+    below_cap = pauses[:7]  # 10 ms doubled six times is 640 ms; the 8th step is the cap
+    assert below_cap == sorted(below_cap)  # [s/2, s] then [s, 2s]: never shorter than the one before
+    assert pauses[0] <= 0.01 and all(0.5 <= p <= 1.0 for p in pauses[7:])
+    again = random.Random(7)
+    assert [conflict_backoff(n, again) for n in range(1, 12)] == pauses  # seeded: repeatable
+
+
+def _lock_waiters(cur: Any) -> int:
+    cur.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'")
+    return int(cur.fetchone()[0])
+
+
+def test_a_one_pass_batch_in_conflict_with_a_writer_backs_off_longer_each_time(
+    schema: str, conn: Any, admin: Any, driver: str
+) -> None:
+    """A second connection changes an eligible row of the first batch while the batch's DELETE waits
+    for it, four times running: each time the batch fails with 40001 and is taken again, after a pause
+    that grows (from 5-10 ms), then goes through; every eligible row is deleted."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 3000, tenant="1 + mod(g, 3)")
+    policy = make_policy(schema, chunk_by="block", tenant_column="tenant_id", batch_size=500)
+    (chunk,) = (plan := plan_run(conn, policy, CUTOFF)).chunks
+    eligible = eligible_ids(admin, table)
+    writer, watcher = connect(driver), connect(driver)
+    watcher.autocommit = True
+    conflicts = 4
+    pauses: list[float] = []
+    timers: list[threading.Thread] = []
+
+    def commit_once_waited_on() -> None:
+        with watcher.cursor() as cur:
+            wait_for(lambda: _lock_waiters(cur) > 0, 30, "the batch's DELETE waiting for the changed row")
+        writer.commit()
+
+    def change_a_row() -> None:
+        """Update an eligible row of the first blocks, uncommitted; commit it once the batch waits on it."""
+        with writer.cursor() as cur:
+            cur.execute(f"UPDATE {table} SET payload = 'changed' WHERE id = %(i)s", {"i": eligible[len(pauses)]})
+        timer = threading.Thread(target=commit_once_waited_on)
+        timers.append(timer)
+        timer.start()
+
+    def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) < conflicts:
+            change_a_row()
+
+    try:
+        change_a_row()
+        result = run_chunk(conn, policy, CUTOFF, chunk, sleep=sleep, rng=random.Random(1))
+    finally:
+        for timer in timers:
+            timer.join()
+        writer.rollback()
+        writer.close()
+        watcher.close()
+    assert len(pauses) == conflicts, pauses
+    assert pauses == sorted(pauses) and pauses[-1] >= 4 * CONFLICT_BACKOFF_BASE_S > 2 * pauses[0], pauses
+    assert all(p <= CONFLICT_BACKOFF_CAP_S for p in pauses)
+    assert result.rows_deleted == len(eligible) and eligible_ids(admin, table) == []
+    assert ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)["rows_deleted"] == len(eligible)
+
+
+def test_a_wait_for_the_ledger_row_past_the_statement_cap_does_not_cut_the_batch(
+    schema: str, conn: Any, admin: Any, driver: str
+) -> None:
+    """Another attempt's batch holds the chunk's ledger row for a second, five times the statement cap
+    (1.5 x 200 ms), then commits. The batch waits for it (up to lock_timeout), and neither the cap nor
+    the adaptive size counts the wait: the batch keeps its size, is not cut, and the next is not smaller."""
+    table = small_table(admin, schema)
+    policy = make_policy(
+        schema, target_batch_time="200ms", batch_size=1000, min_batch_size=50, max_batch_size=20_000, lock_timeout="5s"
+    )
+    (chunk,) = (plan := plan_run(conn, policy, CUTOFF)).chunks
+    eligible = eligible_ids(admin, table)
+    holder = connect(driver)
+    with holder.cursor() as cur:
+        cur.execute(
+            f'SELECT 1 FROM "{policy.ledger_schema}".chunks WHERE run_key = %(r)s AND chunk_key = %(c)s FOR UPDATE',
+            {"r": plan.run_key, "c": chunk.key},
+        )
+    release = threading.Timer(1.0, holder.rollback)
+    release.start()
+    try:
+        result = run_chunk(conn, policy, CUTOFF, chunk)
+    finally:
+        release.join()
+        holder.close()
+    sizes = [(b.size, round(b.ms)) for b in result.batch_log]
+    assert result.batches_cut == 0, sizes
+    assert result.batch_log[0].size == 1000, sizes
+    assert result.batch_log[0].ms < 900, sizes  # the batch's own time, not the second it waited
+    assert len(result.batch_log) >= 2 and result.batch_log[1].size >= 1000, sizes
+    assert result.rows_deleted == len(eligible) and eligible_ids(admin, table) == []

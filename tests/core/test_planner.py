@@ -8,12 +8,14 @@ import logging
 import threading
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 
+from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger import ChunkSpec, MeasuredRate
+from airflow_retention.core.ledger import ChunkSpec, Ledger, MeasuredRate
 from airflow_retention.core.planner import (
     ASSUMED_BLOCKS_PER_S,
     ASSUMED_ROWS_PER_S,
@@ -514,3 +516,74 @@ def test_block_plan_reads_its_history_of_block_chunks(schema: str, conn: Any, ad
     # A key-range history is not a block one: a key policy of the same name sees none.
     key = compute_plan(conn, make_policy(schema, chunk_rows=None), CUTOFF)
     assert key.sizing is not None and key.sizing.measured_chunks == 0
+
+
+# Run dates where rebuilding the date from the cutoff (cutoff + retention) goes wrong: month ends of a
+# month-based retention, a leap day with "1 year", and a schedule in Europe/Paris the day after its
+# clocks went forward. Each tenant's cutoff is the run's own date minus the tenant's retention, in UTC.
+RUN_DATES = [
+    pytest.param(
+        datetime(2026, 3, 31, tzinfo=timezone.utc),
+        "1 month",
+        {"1": "2026-03-24T00:00:00+00:00", "2": "2026-03-21T00:00:00+00:00", "3": "2025-12-31T00:00:00+00:00"},
+        id="month-end",
+    ),
+    pytest.param(
+        datetime(2024, 2, 29, tzinfo=timezone.utc),
+        "1 year",
+        {"1": "2024-02-22T00:00:00+00:00", "2": "2024-02-19T00:00:00+00:00", "3": "2023-11-29T00:00:00+00:00"},
+        id="leap-day",
+    ),
+    pytest.param(
+        datetime(2026, 3, 30, tzinfo=ZoneInfo("Europe/Paris")),  # 2026-03-29T22:00Z: UTC+2 since that night
+        "1 month",
+        {"1": "2026-03-22T22:00:00+00:00", "2": "2026-03-19T22:00:00+00:00", "3": "2025-12-29T22:00:00+00:00"},
+        id="dst",
+    ),
+]
+
+
+@pytest.mark.parametrize(("run_date", "retention", "expected"), RUN_DATES)
+def test_per_tenant_cutoffs_are_the_runs_own_date_minus_each_retention(
+    schema: str, conn: Any, admin: Any, run_date: datetime, retention: str, expected: dict[str, str]
+) -> None:
+    table = create_events(admin, schema)
+    fill_events(admin, table, 300, tenant="1 + mod(g, 3)")
+    rows(admin, f'CREATE TABLE "{schema}".keep (tenant_id integer, retention interval)')
+    rows(admin, f"""INSERT INTO "{schema}".keep VALUES (2, '10 days'), (3, '3 months')""")
+    policy = make_policy(
+        schema,
+        retention=retention,
+        tenant_column="tenant_id",
+        tenant_retention={1: "7 days"},
+        tenant_retention_table=f"{schema}.keep",
+    )
+    cutoff = freeze_cutoff(policy, run_date)
+    plan = plan_run(conn, policy, cutoff, run_date=run_date)
+    frozen = {t: c for t, _, c, _ in Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)}
+    assert {t: c.astimezone(timezone.utc).isoformat() for t, c in frozen.items()} == expected
+    run = ledger_run(admin, policy.ledger_schema, plan.run_key)
+    assert run is not None and run["run_date"] == run_date and run["cutoff"] == cutoff
+    assert Ledger(policy.ledger_schema).get_run(conn, plan.run_key)["run_date"] == run_date
+
+
+def test_a_cutoff_that_does_not_tell_its_run_date_is_refused_for_per_tenant_retention(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    """Runs of 2026-03-28 to 03-31 all freeze 02-28 with "1 month": given only that cutoff, the planner
+    cannot freeze "7 days" from the run's date, and refuses rather than guess 03-28. A run date that
+    is not the cutoff's is refused too; a retention in days tells the date back exactly."""
+    table = create_events(admin, schema)
+    fill_events(admin, table, 100)
+    policy = make_policy(schema, retention="1 month", tenant_column="tenant_id", tenant_retention={1: "7 days"})
+    cutoff = datetime(2026, 2, 28, tzinfo=timezone.utc)
+    with pytest.raises(PermanentError, match="does not tell it") as info:
+        plan_run(conn, policy, cutoff)
+    assert "--date" in str(info.value)
+    with pytest.raises(PermanentError, match="not the cutoff"):
+        plan_run(conn, policy, cutoff, run_date=datetime(2026, 3, 27, tzinfo=timezone.utc))
+    assert Ledger(policy.ledger_schema).get_run(conn, run_key(policy, cutoff)) is None
+    days = make_policy(schema, retention="30 days", tenant_column="tenant_id", tenant_retention={1: "7 days"})
+    plan = plan_run(conn, days, CUTOFF)
+    assert Ledger(days.ledger_schema).tenant_cutoffs(conn, plan.run_key)[0][2] == CUTOFF + timedelta(days=23)
+    assert ledger_run(admin, days.ledger_schema, plan.run_key)["run_date"] == CUTOFF + timedelta(days=30)

@@ -95,7 +95,7 @@ def test_tenant_retention_overrides_and_is_frozen_for_the_run(schema: str, conn:
     expected = per_tenant_eligible(admin, table, own)
     base = per_tenant_eligible(admin, table)
     assert expected["1"] < base["1"] and expected["3"] > base["3"] and expected["4"] == base["4"]
-    plan = plan_run(conn, policy, CUTOFF, anchor=ANCHOR)
+    plan = plan_run(conn, policy, CUTOFF, run_date=ANCHOR)
     frozen = Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)
     assert [(t, c) for t, _, c, _ in frozen] == sorted(own.items())
     # The map changes mid-run: the run keeps its frozen cutoffs.
@@ -114,7 +114,7 @@ def test_tenant_retention_in_key_chunks_too(schema: str, conn: Any, admin: Any) 
     expected = per_tenant_eligible(admin, table, own)
     policy = make_policy(schema, tenant_column="tenant_id", tenant_retention={"1": "60 days"}, chunk_rows=1_000)
     assert policy.chunk_by == "key"
-    purge(conn, policy, anchor=ANCHOR)
+    purge(conn, policy, run_date=ANCHOR)
     assert per_tenant_eligible(admin, table, own) == {} and per_tenant_eligible(admin, table)["1"] > 0
     assert sum(expected.values()) == 4_000 - scalar(admin, f"SELECT count(*) FROM {table}") - 0
 
@@ -129,7 +129,7 @@ def test_tenant_retention_table_is_read_at_planning(schema: str, conn: Any, admi
     policy = one_pass(schema, tenant_retention_table=f"{schema}.keep", tenant_retention={5: "30 days"})
     own["5"] = CUTOFF
     expected = per_tenant_eligible(admin, table, own)
-    plan = purge(conn, policy, anchor=ANCHOR)
+    plan = purge(conn, policy, run_date=ANCHOR)
     sources = {t: s for t, _, _, s in Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)}
     assert sources == {"4": "table", "5": "policy"}
     assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
@@ -234,7 +234,7 @@ def test_tenant_values_written_another_way_still_match_their_rows(schema: str, c
     own = {"7": CUTOFF.replace(month=5, day=2), "1": CUTOFF.replace(month=5, day=2)}
     expected = per_tenant_eligible(admin, table, own)
     policy = one_pass(schema, tenant_retention={"007": "60 days", "+1": "60 days"})
-    plan = purge(conn, policy, anchor=ANCHOR)
+    plan = purge(conn, policy, run_date=ANCHOR)
     assert [t for t, _, _, _ in Ledger(policy.ledger_schema).tenant_cutoffs(conn, plan.run_key)] == ["1", "7"]
     assert ledger_tenant_counts(admin, policy.ledger_schema, plan.run_key) == expected
     assert per_tenant_eligible(admin, table)["7"] > 0  # tenant 7's rows between 60 and 30 days are kept
@@ -261,7 +261,7 @@ def test_a_run_whose_policy_lost_its_tenant_rules_fails_rather_than_purge_early(
 ) -> None:
     table = interleaved(admin, schema, 2_000)
     policy = one_pass(schema, tenant_retention={"1": "60 days"})
-    plan = plan_run(conn, policy, CUTOFF, anchor=ANCHOR)
+    plan = plan_run(conn, policy, CUTOFF, run_date=ANCHOR)
     before = scalar(admin, f"SELECT count(*) FROM {table}")
     with pytest.raises(PermanentError, match="planned with per-tenant retention"):
         run_chunk(conn, one_pass(schema), plan.cutoff, plan.chunks[0])

@@ -253,6 +253,12 @@ class Deployment:
                 "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": "5",
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
                 "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+                # A DAG changed by an edit of the policies file gets its new serialized version (its doc, its
+                # tasks) at the next parse rather than up to 30 s (the default) after the last write.
+                "AIRFLOW__CORE__MIN_SERIALIZED_DAG_UPDATE_INTERVAL": "5",
+                # Airflow 3.0, 3.1: the scheduler and the api-server re-read a changed serialized DAG at most this
+                # often (default 10 s); in that window a trigger makes a run of the DAG's previous tasks.
+                "AIRFLOW__CORE__MIN_SERIALIZED_DAG_FETCH_INTERVAL": "1",
                 "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
                 "PYTHONUNBUFFERED": "1",
             }

@@ -5,15 +5,17 @@ ledger. Run alone with ``pytest -m scheduler``."""
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from airflow_retention.core.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.demo.seed import snapshot
-from tests.deployment.conftest import ARTIFACTS, day
+from tests.deployment.conftest import ARTIFACTS, day, one
 from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget
 
 pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(TEST_TIMEOUT)]
@@ -272,3 +274,101 @@ def test_a_partitioned_table_drops_its_expired_months_under_the_scheduler(
     after = snapshot(target, policy, cutoff)
     assert after.eligible == 0
     assert (after.total, after.keep_checksum) == (before.keep_count, before.keep_checksum)
+
+
+ISOLATION_TABLES = """
+CREATE SCHEMA IF NOT EXISTS isolation;
+DROP TABLE IF EXISTS isolation.good, isolation.typo;
+CREATE TABLE isolation.good (id bigint PRIMARY KEY, created_at timestamptz NOT NULL);
+CREATE TABLE isolation.typo (LIKE isolation.good INCLUDING ALL);
+INSERT INTO isolation.good SELECT n, now() - (n % 2) * interval '5 days' FROM generate_series(1, 200) n;
+INSERT INTO isolation.typo SELECT * FROM isolation.good;
+"""
+
+
+def test_a_typo_in_one_policy_leaves_the_other_policies_running(
+    deployment: Deployment, target: Any, policies: Path
+) -> None:
+    """Issue 22: under the real dag-processor an import error makes every DAG of the file stale, so a bad
+    policy must never be one. Two policies are added to the file; a typo in one leaves the other active and
+    triggerable through the REST API, the bad one shows its error as a DAG of its own (its run fails at
+    once), no import error is recorded; fixing the typo brings the policy's own DAG back."""
+    original = policies.read_text()
+    doc = yaml.safe_load(original)
+    common = {"key_column": "id", "timestamp_column": "created_at", "retention": "1 day", "schedule": None}
+    doc["policies"] += [
+        {"name": "iso_good", "table": "isolation.good", **common},
+        {"name": "iso_typo", "table": "isolation.typo", "condition": "id > 0", **common},
+    ]
+    valid = yaml.safe_dump(doc, sort_keys=False)
+    typo = valid.replace("condition: id > 0", "conditon: id > 0")
+    assert typo.count("conditon:") == 1
+    good, bad = "retention_iso_good", "retention_iso_typo"
+    where = "policy 'iso_typo', field 'conditon'"
+
+    def dag(dag_id: str) -> dict[str, Any] | None:
+        """The DAG as the REST API shows it, if it is known and not stale."""
+        try:
+            found = deployment.api("GET", f"/dags/{dag_id}")
+        except RuntimeError:  # 404: not parsed yet
+            return None
+        return None if found["is_stale"] else found
+
+    def tags(found: dict[str, Any]) -> set[str]:
+        return {t["name"] for t in found["tags"]}
+
+    def import_errors() -> list[dict[str, Any]]:
+        return [e for e in deployment.api("GET", "/importErrors")["import_errors"] if "retention_dags" in e["filename"]]
+
+    with target.cursor() as cur:
+        cur.execute(ISOLATION_TABLES)
+    try:
+        policies.write_text(valid)
+        for dag_id in (good, bad):
+            deployment.wait_until(lambda d=dag_id: dag(d), budget(15), f"{dag_id} to be parsed")
+
+        policies.write_text(typo)
+        # The next parse either shows the bad policy's own DAG or (the old behaviour) an import error.
+        shown = deployment.wait_until(
+            lambda: import_errors() or ((b := dag(bad)) and "invalid" in tags(b) and b),
+            budget(15),
+            f"the dag-processor to re-parse the typo of {bad}",
+        )
+        assert import_errors() == [], shown
+        assert where in shown["description"]
+        # Its doc and its tasks come from the new serialized version, which may follow a moment later (and the
+        # api-server re-reads it only every [core] min_serialized_dag_fetch_interval on Airflow 3.0).
+        deployment.wait_until(
+            lambda: (
+                where in (deployment.api("GET", f"/dags/{bad}/details")["doc_md"] or "")
+                and [t["task_id"] for t in deployment.api("GET", f"/dags/{bad}/tasks")["tasks"]] == ["policy_error"]
+            ),
+            budget(10),
+            f"the doc and the task of {bad} to show the typo",
+        )
+        assert (found := dag(good)) is not None and "invalid" not in tags(found)
+
+        # The good policy's DAG still runs (a manual run through the REST API); the bad one's run fails at once.
+        for dag_id in (good, bad):
+            deployment.unpause(dag_id)
+            deployment.api("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": iso(day(0))})
+        for dag_id, state in ((good, "success"), (bad, "failed")):
+            (run,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=budget(45))
+            assert run["state"] == state, run
+        assert one(target, "SELECT count(*) FILTER (WHERE id % 2 = 1), count(*) FROM isolation.good") == (0, 100)
+        (ti,) = deployment.api("GET", f"/dags/{bad}/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
+        assert (ti["task_id"], ti["state"], ti["try_number"]) == ("policy_error", "failed", 1)
+        logs = deployment.api("GET", f"/dags/{bad}/dagRuns/{run['dag_run_id']}/taskInstances/policy_error/logs/1")
+        assert where in str(logs)
+
+        policies.write_text(valid)
+        fixed = deployment.wait_until(
+            lambda: (b := dag(bad)) and "invalid" not in tags(b) and b, budget(15), f"{bad} to be fixed"
+        )
+        assert fixed["description"] == "Delete rows of isolation.typo older than 1 day"
+        assert import_errors() == []
+    finally:
+        policies.write_text(original)
+        for dag_id in (good, bad):
+            if dag(dag_id):
+                deployment.pause(dag_id)

@@ -109,15 +109,14 @@ def test_a_worker_killed_around_the_detach_is_finished_once_by_the_retry(
         session_gone(admin, app)
         row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
         assert row["state"] != "complete" and row["rows_deleted"] == 0
-        if condition is None:
-            # Concurrent: the detach is committed on its own; after it the partition stands alone.
-            assert row["action_started_at"] is not None
-            tree = rows(admin, f"SELECT relid::regclass::text FROM pg_partition_tree('{table}')")
-            attached = (f"{schema}.m01",) in tree
-            assert attached == (kill_at == "before_detach")
-        else:
-            # Atomic: the kill rolled everything back; the partition is attached and whole.
-            assert scalar(admin, f'SELECT count(*) FROM "{schema}".m01') == january
+        # Either way the detach commits on its own, claimed by the chunk in the ledger (the plain detach
+        # in its own transaction): after it the partition stands alone; before it nothing was claimed
+        # (the atomic one rolled back), so a DBA's detach in between would be left alone.
+        assert (row["action_started_at"] is not None) == (kill_at == "after_detach")
+        tree = rows(admin, f"SELECT relid::regclass::text FROM pg_partition_tree('{table}')")
+        attached = (f"{schema}.m01",) in tree
+        assert attached == (kill_at == "before_detach")
+        assert scalar(admin, f'SELECT count(*) FROM "{schema}".m01') == january
         assert "m01" in relations_in(admin, schema)
         result = run_chunk(conn, policy, plan.cutoff, chunk)
         assert (result.rows_deleted, result.outcome) == (january, "dropped")
@@ -208,6 +207,8 @@ def test_a_query_holding_the_partition_makes_the_detach_retry_later_and_nothing_
         assert scalar(admin, f'SELECT count(*) FROM "{schema}".m01') == january
         row = ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)
         assert row["state"] != "complete" and "lock timeout" in row["last_error"]
+        # Seen left pending by its own failed detach: the chunk claims it (a FINALIZE by a DBA is ours too).
+        assert row["action_started_at"] is not None
         reader.pop().release()
         assert run_chunk(conn, policy, plan.cutoff, chunk).rows_deleted == january
         assert total - january == scalar(admin, f"SELECT count(*) FROM {table}")
@@ -275,4 +276,177 @@ def test_missing_privileges_fail_at_planning_naming_them_and_nothing_is_removed(
             run_chunk(conn, policy, plan.cutoff, chunk)
         assert eligible_count(admin, table) == 0
     finally:
+        conn.close()
+
+
+def test_a_worker_killed_while_its_detach_waits_never_drops_a_partition_a_dba_detached_since(
+    schema: str, admin: Any, driver: str, tmp_path: Path
+) -> None:
+    table = create_monthly(admin, schema)
+    january = scalar(admin, f'SELECT count(*) FROM "{schema}".m01')
+    policy = drop_policy(schema, lock_timeout="60s")
+    conn = connect(driver)
+    holder = connect("psycopg2")
+    try:
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        with holder.cursor() as cur:
+            cur.execute(f"LOCK TABLE {table} IN SHARE UPDATE EXCLUSIVE MODE")
+        app = f"drill-{uuid.uuid4().hex[:8]}"
+        child = start_child(driver, policy, chunk, "never", app, tmp_path / "child.err")
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %(a)s AND wait_event_type = 'Lock'"
+            " AND query ILIKE '%%DETACH PARTITION%%CONCURRENTLY%%'"
+        )
+        wait_for(lambda: scalar(admin, waiting, {"a": app}) == 1, 30, "the detach to wait for the parent")
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        session_gone(admin, app)
+        holder.rollback()
+        rows(admin, f'ALTER TABLE {table} DETACH PARTITION "{schema}".m01')  # a DBA keeps it
+        result = run_chunk(conn, policy, plan.cutoff, chunk)
+        assert (result.outcome, result.rows_deleted) == ("partition_gone", 0)
+        assert scalar(admin, f'SELECT count(*) FROM "{schema}".m01') == january
+        # The killed detach never began: nothing claimed the partition for the chunk.
+        assert ledger_chunk(admin, policy.ledger_schema, plan.run_key, chunk.key)["action_started_at"] is None
+    finally:
+        holder.close()
+        conn.close()
+
+
+DEADLOCK = "40P01"
+
+
+class Writers:
+    """Application sessions writing through the parent while the purge runs: an UPDATE by id, which no
+    bound prunes (it locks the parent, then every partition), and an INSERT of a new row of July. Each
+    records how long each statement took and the SQLSTATE of each error."""
+
+    def __init__(self, table: str, ids: list[int], sessions: int = 3) -> None:
+        self.table = table
+        self.ids = ids
+        self.stop = threading.Event()
+        self.errors: list[tuple[str | None, str]] = []
+        self.waits: list[float] = []
+        self.inserted: list[int] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(sessions)]
+
+    def __enter__(self) -> Writers:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def _run(self, n: int) -> None:
+        import random
+        import time
+
+        conn = connect("psycopg2")
+        conn.autocommit = True
+        step = 0
+        try:
+            with conn.cursor() as cur:
+                while not self.stop.is_set():
+                    step += 1
+                    new_id = 10_000_000 + n * 1_000_000 + step
+                    started = time.monotonic()
+                    try:
+                        cur.execute(
+                            f"UPDATE {self.table} SET payload = md5(random()::text) WHERE id = %(id)s",
+                            {"id": random.choice(self.ids)},
+                        )
+                        cur.execute(
+                            f"INSERT INTO {self.table} (id, tenant_id, created_at, status, payload)"
+                            " VALUES (%(id)s, 1, timestamptz '2024-07-15', 'open', 'new')",
+                            {"id": new_id},
+                        )
+                        with self.lock:
+                            self.inserted.append(new_id)
+                    except Exception as exc:  # noqa: BLE001 - every error is recorded and asserted on
+                        with self.lock:
+                            self.errors.append((getattr(exc, "pgcode", None), str(exc)))
+                    with self.lock:
+                        self.waits.append(time.monotonic() - started)
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("shape", ["condition", "default-partition"])
+def test_the_atomic_detach_never_deadlocks_writers_through_the_parent(
+    schema: str, admin: Any, driver: str, shape: str
+) -> None:
+    table = create_monthly(admin, schema, status="'closed'", default=shape == "default-partition")
+    expired = {m: scalar(admin, f'SELECT count(*) FROM "{schema}".{m}') for m in ("m01", "m02", "m03", "m04", "m05")}
+    july = [r[0] for r in rows(admin, f'SELECT id FROM "{schema}".m07')]
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    lock_timeout_s = 1.0
+    policy = drop_policy(
+        schema, condition="status <> 'open'" if shape == "condition" else None, lock_timeout=f"{lock_timeout_s}s"
+    )
+    conn = connect(driver)
+    hook_conn = connect("psycopg2")
+    hook_conn.autocommit = True
+    hook_errors: list[tuple[str | None, str]] = []
+    chunk_errors: list[tuple[str | None, str]] = []
+
+    def update_one() -> None:
+        try:
+            with hook_conn.cursor() as cur:
+                cur.execute(f"UPDATE {table} SET payload = 'hook' WHERE id = %(id)s", {"id": july[0]})
+        except Exception as exc:  # noqa: BLE001 - recorded and asserted on
+            hook_errors.append((getattr(exc, "pgcode", None), str(exc)))
+
+    hook_thread: list[threading.Thread] = []
+
+    def writer_in_the_middle(step: str) -> None:
+        # Just before the DETACH: an application UPDATE through the parent, held until it waits for a
+        # lock the chunk holds. Locks taken partition first then parent deadlock here.
+        if step != "before_detach" or hook_thread:
+            return
+        pid = hook_conn.get_backend_pid()
+        hook_thread.append(threading.Thread(target=update_one))
+        hook_thread[0].start()
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE pid = %(p)s AND wait_event_type = 'Lock'"
+        wait_for(lambda: scalar(admin, waiting, {"p": pid}) == 1, 10, "the application's UPDATE to wait")
+
+    try:
+        plan = plan_run(conn, policy, CUTOFF)
+        actions = [c for c in plan.chunks if c.action]
+        assert sorted(str(c.partition) for c in actions) == [f"{schema}.{m}" for m in expired]
+        outcomes = {}
+        with Writers(table, july[1:]) as writers:  # july[0] is the UPDATE in the middle's
+            wait_for(lambda: len(writers.inserted) >= 20, 30, "the writers to get going")
+            during = len(writers.inserted)
+            for chunk in actions:
+                result = None
+                for _ in range(20):  # a lock timeout is a retry away; a deadlock is a failure
+                    try:
+                        result = run_chunk(conn, policy, plan.cutoff, chunk, on_step=writer_in_the_middle)
+                        break
+                    except RetryableError as exc:
+                        chunk_errors.append((exc.sqlstate, str(exc)))
+                        if exc.sqlstate == DEADLOCK:
+                            break
+                found = (result.outcome, result.rows_deleted) if result is not None else None
+                outcomes[str(chunk.partition).split(".")[1]] = found
+            assert len(writers.inserted) > during  # they went on writing while the partitions went
+        for t in hook_thread:
+            t.join(30)
+        assert [e for e in writers.errors + hook_errors + chunk_errors if e[0] == DEADLOCK] == []
+        assert writers.errors == [] and hook_errors == [] and hook_thread
+        assert all(e[0] == "55P03" for e in chunk_errors), chunk_errors  # only lock timeouts, retried
+        # A writer waits at most for the chunk's own bounded wait and its short hold of the parent.
+        assert writers.waits and max(writers.waits) < lock_timeout_s + 4.0, max(writers.waits)
+        assert outcomes == {m: ("dropped", n) for m, n in expired.items()}
+        assert relations_in(admin, schema).isdisjoint(expired)
+        after = scalar(admin, f"SELECT count(*) FROM {table}")
+        assert after == before - sum(expired.values()) + len(writers.inserted)
+        assert scalar(admin, f"SELECT count(*) FROM {table} WHERE payload = 'hook'") == 1
+    finally:
+        hook_conn.close()
         conn.close()

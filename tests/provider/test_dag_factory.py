@@ -67,9 +67,9 @@ def test_task_group_drops_into_any_dag() -> None:
 def test_chunk_label_reads_well() -> None:
     from airflow_retention.operators.retention import RetentionChunkOperator
 
-    op = RetentionChunkOperator(task_id="c", policy=POLICY, lo=120000, hi=130000, tenants=[7])
+    op = RetentionChunkOperator(task_id="c", policy=POLICY, keys=(120000, 130000), tenants=[7])
     assert op.chunk_label == "tenant 7 · ids 120000-129999"
-    assert RetentionChunkOperator(task_id="d", policy=POLICY, lo=1, hi=25655).chunk_label == "ids 1-25654"
+    assert RetentionChunkOperator(task_id="d", policy=POLICY, keys=(1, 25655)).chunk_label == "ids 1-25654"
 
 
 def test_the_label_template_shows_the_result_once_known_else_the_range() -> None:
@@ -80,7 +80,7 @@ def test_the_label_template_shows_the_result_once_known_else_the_range() -> None
     from airflow_retention.operators.retention import CHUNK_LABEL_TEMPLATE, RetentionChunkOperator
 
     with DAG(dag_id="labels", schedule=None) as dag:
-        op = RetentionChunkOperator(task_id="c", policy=POLICY, lo=0, hi=8192, chunk_key="blocks:0-8192")
+        op = RetentionChunkOperator(task_id="c", policy=POLICY, blocks=(0, 8192))
     template = dag.get_template_env().from_string(CHUNK_LABEL_TEMPLATE)
     assert op.map_index_template == CHUNK_LABEL_TEMPLATE
     assert template.render({"task": op}) == "blocks 0-8191"  # before execute, or after a failure

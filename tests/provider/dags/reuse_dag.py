@@ -59,6 +59,6 @@ with DAG(
     group = retention_task_group(
         POLICY, deferrable=True, sensor_kwargs={"poke_interval": 1, "timeout": 60, "retries": 0}
     )
-    lone = RetentionChunkOperator(task_id="lone_chunk", policy=LONE, lo=0, hi=1_000_000)
+    lone = RetentionChunkOperator(task_id="lone_chunk", policy=LONE, keys=(0, 1_000_000))
     extract() >> group >> lone
     report(lone.output)

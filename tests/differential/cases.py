@@ -1,0 +1,630 @@
+"""Generated cases of the differential suite: a table, its rows, a policy, a run date and faults.
+
+A case is plain JSON (:class:`Case`), so that a failing one is written to a file and replayed exactly
+(``tests/differential/reproducers/``). Its SQL (``CREATE TABLE`` + ``INSERT``) is rendered here, once,
+and run as rendered: the reproducer's SQL is what ran. Rows are drawn from a seeded ``random.Random``
+(Hypothesis draws the seed, the row count and the shape), so that a case of 300 rows costs one draw.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import random
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import date, datetime, timedelta, timezone
+from decimal import Decimal
+from typing import Any
+
+from hypothesis import strategies as st
+
+UTC = timezone.utc
+
+# --- the condition grammar: SQL text and a Python function from one tree -------------------------------
+# A node is a list: ["cmp", col, op, value] | ["in", col, [values]] | ["null", col, is_null]
+#                 | ["and", a, b] | ["or", a, b] | ["not", a] | ["noref"] (correlated NOT EXISTS on refs)
+STATUSES = ["open", "closed", "held", "it's"]
+CMP_OPS = ["=", "<>", "<", "<=", ">", ">="]
+
+
+def sql_literal(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def condition_sql(node: list[Any], cols: dict[str, str], target: str) -> str:
+    """The SQL of a condition tree; ``cols`` maps the logical columns (status, n, rid) to SQL names and
+    ``target`` is how the row being deleted is named inside a correlated subquery."""
+    kind = node[0]
+    if kind == "cmp":
+        return f"{cols[node[1]]} {node[2]} {sql_literal(node[3])}"
+    if kind == "in":
+        return f"{cols[node[1]]} IN ({', '.join(sql_literal(v) for v in node[2])})"
+    if kind == "null":
+        return f"{cols[node[1]]} IS {'' if node[2] else 'NOT '}NULL"
+    if kind in ("and", "or"):
+        return f"({condition_sql(node[1], cols, target)} {kind.upper()} {condition_sql(node[2], cols, target)})"
+    if kind == "not":
+        return f"NOT ({condition_sql(node[1], cols, target)})"
+    if kind == "noref":
+        return f"NOT EXISTS (SELECT 1 FROM {cols['refs']} r WHERE r.rid = {target}.{cols['rid']})"
+    raise ValueError(kind)
+
+
+def condition_eval(node: list[Any], row: dict[str, Any]) -> bool | None:
+    """SQL's three-valued logic in Python: True, False or None (unknown)."""
+    kind = node[0]
+    if kind == "cmp":
+        left, right = row[node[1]], node[3]
+        if left is None:
+            return None
+        return {
+            "=": left == right,
+            "<>": left != right,
+            "<": left < right,
+            "<=": left <= right,
+            ">": left > right,
+            ">=": left >= right,
+        }[node[2]]
+    if kind == "in":
+        left = row[node[1]]
+        if left is None:
+            return None
+        return left in node[2]
+    if kind == "null":
+        return (row[node[1]] is None) == node[2]
+    if kind == "and":
+        a, b = condition_eval(node[1], row), condition_eval(node[2], row)
+        if a is False or b is False:
+            return False
+        return None if a is None or b is None else True
+    if kind == "or":
+        a, b = condition_eval(node[1], row), condition_eval(node[2], row)
+        if a is True or b is True:
+            return True
+        return None if a is None or b is None else False
+    if kind == "not":
+        a = condition_eval(node[1], row)
+        return None if a is None else not a
+    if kind == "noref":
+        return not row["has_ref"]
+    raise ValueError(kind)
+
+
+@st.composite
+def conditions(draw: Any, depth: int = 2, noref: bool = False) -> list[Any]:
+    leaves = [
+        st.builds(lambda op, v: ["cmp", "status", op, v], st.sampled_from(CMP_OPS), st.sampled_from(STATUSES)),
+        st.builds(lambda op, v: ["cmp", "n", op, v], st.sampled_from(CMP_OPS), st.integers(-2, 12)),
+        st.builds(lambda vs: ["in", "status", vs], st.lists(st.sampled_from(STATUSES), min_size=1, max_size=3)),
+        st.builds(lambda c, b: ["null", c, b], st.sampled_from(["status", "n"]), st.booleans()),
+    ]
+    if noref:
+        leaves.append(st.just(["noref"]))
+    if depth == 0 or draw(st.integers(0, 2)) > 0:
+        return draw(st.one_of(leaves))
+    op = draw(st.sampled_from(["and", "or", "not"]))
+    if op == "not":
+        return ["not", draw(conditions(depth - 1, noref))]
+    return [op, draw(conditions(depth - 1, noref)), draw(conditions(depth - 1, noref))]
+
+
+# --- retentions: (months, days, seconds), rendered as the policy and PostgreSQL write them -----------------
+def retention_text(r: tuple[int, int, int]) -> str:
+    months, days, seconds = r
+    parts = []
+    if months:
+        parts.append(f"{months} month{'s' if months != 1 else ''}")
+    if days:
+        parts.append(f"{days} day{'s' if days != 1 else ''}")
+    if seconds:
+        parts.append(f"{seconds // 3600} hours")
+    return " ".join(parts)
+
+
+RETENTIONS = st.one_of(
+    st.builds(lambda d: (0, d, 0), st.integers(1, 60)),
+    st.builds(lambda m: (m, 0, 0), st.integers(1, 3)),
+    st.builds(lambda m, d: (m, d, 0), st.integers(1, 2), st.integers(1, 10)),
+    st.builds(lambda h: (0, 0, h * 3600), st.sampled_from([12, 36, 50])),
+)
+# Month ends (with month-based retentions PostgreSQL and pendulum clamp to the month's last day),
+# a leap day, and a few ordinary days; always in the past (plan_run refuses a future cutoff).
+RUN_DATES = [
+    datetime(2024, 1, 31, tzinfo=UTC),
+    datetime(2024, 2, 29, tzinfo=UTC),
+    datetime(2024, 3, 31, tzinfo=UTC),
+    datetime(2024, 3, 31, 23, 30, tzinfo=UTC),
+    datetime(2024, 5, 31, 6, 0, tzinfo=UTC),
+    datetime(2024, 12, 31, tzinfo=UTC),
+    datetime(2025, 3, 30, 12, 0, tzinfo=UTC),
+    datetime(2024, 7, 15, 0, 0, 0, 500_000, tzinfo=UTC),
+]
+
+
+def subtract(anchor: datetime, r: tuple[int, int, int]) -> datetime:
+    """``anchor - interval``, PostgreSQL's way (months first, clamped to the month's last day; then days;
+    then seconds), written here independently of the package (and of pendulum)."""
+    months, days, seconds = r
+    index = anchor.year * 12 + anchor.month - 1 - months
+    year, month = divmod(index, 12)
+    month += 1
+    day = min(anchor.day, calendar.monthrange(year, month)[1])
+    moved = anchor.replace(year=year, month=month, day=day)
+    return moved - timedelta(days=days, seconds=seconds)
+
+
+# --- tenants -----------------------------------------------------------------------------------------------
+TENANT_TYPES = ["integer", "bigint", "text", "varchar(4)", "char(4)", "uuid", "enum", "domain", "numeric(6,2)", "dchar"]
+_UUIDS = [str(uuid.UUID(int=(i + 1) * 0x1111_0000_0000_0000_0000_0000_0000_00AB)) for i in range(6)]
+
+
+def tenant_values(tenant_type: str) -> list[Any]:
+    """The tenant values of a column type: the first four go in the table, the rest are 'missing'."""
+    if tenant_type in ("integer", "bigint"):
+        return [1, 2, 7, 30, 5, 99] if tenant_type == "integer" else [1, 2, 7, 2**40, 5, 99]
+    if tenant_type == "uuid":
+        return _UUIDS
+    if tenant_type in ("varchar(4)", "char(4)", "dchar"):
+        return ["acme", "ab", "a", "abz", "zz", "q"]
+    if tenant_type == "numeric(6,2)":
+        return ["1.50", "2.25", "10.00", "0.05", "7.77", "99.99"]
+    if tenant_type in ("enum", "domain"):
+        return ["acme", "globex", "init co", "o'hara", "umbrella", "zeta"]
+    return ["acme", "globex", "Init Co", "o'hara", "acme2", "x"]
+
+
+# A tenant value the column cannot hold, or would store as another value (cut, rounded): a map naming it
+# must be refused, naming the field, with nothing deleted.
+UNFIT = {
+    "integer": "x1",
+    "bigint": "99999999999999999999",
+    "uuid": "nope",
+    "varchar(4)": "acmex",
+    "char(4)": "acmex",
+    "dchar": "acmex",
+    "enum": "nosuch",
+    "domain": "",
+    "numeric(6,2)": "1.005",
+}
+
+
+def tenant_text(tenant_type: str, value: Any) -> str:
+    """How ``tenant::text`` prints a value (char(n) loses its trailing blanks)."""
+    if tenant_type in ("integer", "bigint"):
+        return str(int(value))
+    if tenant_type == "uuid":
+        return str(uuid.UUID(str(value)))
+    if tenant_type in ("char(4)", "dchar"):
+        return str(value).rstrip(" ")
+    if tenant_type == "numeric(6,2)":
+        return str(Decimal(str(value)).quantize(Decimal("0.01")))
+    return str(value)
+
+
+def tenant_key_spellings(tenant_type: str, value: Any) -> list[Any]:
+    """Ways a policy may write one tenant value in ``tenant_retention`` (the planner canonicalises them)."""
+    if tenant_type in ("integer", "bigint"):
+        return [value, str(value), f"00{value}"]
+    if tenant_type == "uuid":
+        return [value, str(value).upper()]
+    if tenant_type == "numeric(6,2)":
+        return [value, str(Decimal(value).normalize())]
+    return [value]
+
+
+# --- the case ------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """Everything a run needs, as JSON: table shape, rows, lookup tables, policy, run date and faults."""
+
+    table: dict[str, Any]
+    rows: list[list[Any]]  # [rid, key, ts (iso or None), tenant, status, n]
+    refs: list[int]
+    tenant_table: list[list[Any]] | None
+    policy: dict[str, Any]
+    condition: list[Any] | None
+    run_date: str
+    driver: str = "psycopg2"
+    faults: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        data = json.loads(text)
+        data.pop("sql", None)
+        data.pop("yaml", None)
+        data.pop("failure", None)
+        return cls(**data)
+
+    @property
+    def anchor(self) -> datetime:
+        return datetime.fromisoformat(self.run_date)
+
+
+NAME_CHOICES = {
+    "table": ["events", "Events", "my events", 'ev"q'],
+    "ts": ["created_at", "Created At", 'ts"q'],
+    "tenant": ["tenant_id", "Tenant", "who's"],
+    "key": ["id", "Key Col"],
+    "status": ["status", "Status"],
+}
+
+
+def build_case(draw: Any, *, partitioned: bool | None = None, noref: bool = False, faults: bool = False) -> Case:
+    """Draw one case (see the module docstring)."""
+    names = {k: draw(st.sampled_from(v)) for k, v in NAME_CHOICES.items()}
+    part_kind = None
+    if partitioned is None:
+        partitioned = draw(st.booleans())
+    if partitioned:
+        part_kind = draw(st.sampled_from(["range", "range", "list", "hash", "range_hash", "range_list"]))
+    ts_type = draw(st.sampled_from(["timestamptz"] * 6 + ["timestamp"] * 3 + ["date"]))
+    has_tenant = draw(st.integers(0, 3)) > 0 or part_kind in ("list", "range_list")
+    tenant_type = draw(st.sampled_from(TENANT_TYPES)) if has_tenant else None
+    key_kind = draw(st.sampled_from(["bigint", "bigint", "uuid", "text", "composite", "none"]))
+    default = part_kind in ("list", "range_list") or (part_kind is not None and draw(st.booleans()))
+    ts_index = draw(st.integers(0, 4)) > 0
+    # Planner paths that only large tables take, made reachable at test size: a partial block sample,
+    # and block chunks bounded by the timestamp index (with a gap that splits ranges); wide rows spread
+    # a case over tens of blocks.
+    planner = {
+        "sample_rows": draw(st.sampled_from([None, None, 5, 40])),
+        "bounded_gap": draw(st.sampled_from([None, None, 0, 2])),
+    }
+    table = {
+        "wide": draw(st.booleans()),
+        "planner": planner,
+        "names": names,
+        "ts_type": ts_type,
+        "tenant_type": tenant_type,
+        "key_kind": key_kind,
+        "partition": part_kind,
+        "default": default,
+        "ts_index": ts_index,
+    }
+    anchor = draw(st.sampled_from(RUN_DATES))
+    retention = draw(RETENTIONS)
+    cutoff = subtract(anchor, retention)
+    # The policy.
+    chunk_by = "block"
+    if key_kind == "bigint" and not partitioned and draw(st.integers(0, 3)) > 0:
+        chunk_by = "key"
+    batch = draw(st.integers(1, 25))
+    policy: dict[str, Any] = {
+        "name": "diff",
+        "conn_id": "retention_target",
+        "timestamp_column": names["ts"],
+        "retention": retention_text(retention),
+        "chunk_by": chunk_by,
+        "batch_size": batch,
+        "chunk_rows": batch * draw(st.integers(1, 8)),
+        # Fixed batches, or batches that adapt to a target time (from 1 row up).
+        "target_batch_time": draw(st.sampled_from([0, 0, "2ms", "50ms"])),
+        "min_batch_size": 1,
+        "lock_timeout": "3s",
+        "statement_timeout": "30s",
+    }
+    if chunk_by == "key" or (key_kind in ("bigint", "uuid", "text") and draw(st.booleans())):
+        policy["key_column"] = names["key"]
+    tenants_all = tenant_values(tenant_type) if tenant_type else []
+    present = tenants_all[:4]
+    tenant_cutoffs: list[datetime] = []
+    tenant_table = None
+    if tenant_type and draw(st.integers(0, 4)) > 0:
+        policy["tenant_column"] = names["tenant"]
+        if draw(st.booleans()):
+            chosen = draw(st.lists(st.sampled_from(tenants_all), min_size=1, max_size=3, unique=True))
+            mapping: dict[Any, str] = {}
+            for t in chosen:
+                r = draw(RETENTIONS)
+                mapping[draw(st.sampled_from(tenant_key_spellings(tenant_type, t)))] = retention_text(r)
+                tenant_cutoffs.append(subtract(anchor, r))
+            if tenant_type in ("integer", "bigint") and draw(st.integers(0, 3)) == 0:
+                # One tenant written twice ("7" and "007"): its longest retention applies (docs/policies.md).
+                t = chosen[0]
+                r = draw(RETENTIONS)
+                mapping[f"0{t}"] = retention_text(r)
+                tenant_cutoffs.append(subtract(anchor, r))
+            if tenant_type in UNFIT and draw(st.integers(0, 7)) == 0:
+                mapping[UNFIT[tenant_type]] = retention_text(draw(RETENTIONS))
+            policy["tenant_retention"] = mapping
+        if draw(st.integers(0, 2)) == 0:
+            tenant_table = []
+            for t in draw(st.lists(st.sampled_from(tenants_all), min_size=1, max_size=4)):  # duplicates allowed
+                # Duplicates get the longest retention: the earliest cutoff from the run's date.
+                r = draw(RETENTIONS)
+                null = draw(st.integers(0, 5)) == 0
+                tenant_table.append([t, None if null else retention_text(r)])
+                if not null:
+                    tenant_cutoffs.append(subtract(anchor, r))
+            policy["tenant_retention_table"] = "tenant_ret"
+        if draw(st.integers(0, 3)) == 0:
+            policy["max_rows_per_tenant"] = draw(st.integers(1, 40))
+    condition = None
+    if draw(st.booleans()):
+        condition = draw(conditions(noref=noref))
+    if partitioned:
+        policy["expired_partitions"] = draw(st.sampled_from(["delete", "detach", "drop"]))
+    if draw(st.integers(0, 3)) == 0:
+        policy["archive_table"] = "archive"
+        if policy.get("expired_partitions") == "drop":
+            policy["expired_partitions"] = "detach"
+    if draw(st.integers(0, 3)) == 0:
+        policy["dry_run"] = True
+    # Rows: timestamps at and around every cutoff, some far, some NULL.
+    seed = draw(st.integers(0, 2**32 - 1))
+    count = draw(st.one_of(st.integers(1, 40), st.integers(10, 300)))
+    rnd = random.Random(seed)
+    points = [cutoff, *tenant_cutoffs]
+    nulls_ok = not (part_kind in ("range", "range_hash", "range_list") and not default)
+    null_ts = rnd.choice([0, 0, 0.05, 0.2]) if nulls_ok else 0
+    null_tenant = rnd.choice([0, 0, 0.05, 0.2])
+    rows = []
+    months = _months(anchor)
+    for rid in range(1, count + 1):
+        point = rnd.choice(points)
+        offset = rnd.choice(
+            [
+                timedelta(0),
+                timedelta(microseconds=-1),
+                timedelta(microseconds=1),
+                timedelta(seconds=-1),
+                timedelta(days=rnd.uniform(-60, 0)),
+                timedelta(days=rnd.uniform(0, 20)),
+                timedelta(hours=rnd.uniform(-48, 48)),
+            ]
+        )
+        ts: datetime | None = point + offset
+        if rnd.random() < null_ts:
+            ts = None
+        if ts is not None and part_kind in ("range", "range_hash", "range_list") and not default:
+            ts = min(max(ts, months[0]), months[-1] - timedelta(microseconds=1))
+        tenant = rnd.choice(present) if present else None
+        if tenant is not None and rnd.random() < null_tenant:
+            tenant = None
+        status = rnd.choice([*STATUSES, None])
+        n = rnd.choice([None, *range(-2, 12)])
+        key: Any = rid * 3 + 1000
+        if key_kind == "uuid":
+            key = str(uuid.uuid5(uuid.NAMESPACE_OID, str(rid)))
+        elif key_kind == "text":
+            key = f"k{rid:05d}"
+        rows.append([rid, key, ts.isoformat() if ts is not None else None, tenant, status, n])
+    refs = sorted(rnd.sample(range(1, count + 1), k=rnd.randint(0, count // 3))) if count else []
+    run_faults: dict[str, Any] = {}
+    if faults:
+        run_faults = draw(fault_specs(partitioned))
+    return Case(
+        table=table,
+        rows=rows,
+        refs=refs,
+        tenant_table=tenant_table,
+        policy=policy,
+        condition=condition,
+        run_date=anchor.isoformat(),
+        driver=draw(st.sampled_from(["psycopg2", "psycopg"])),
+        faults=run_faults,
+    )
+
+
+@st.composite
+def fault_specs(draw: Any, partitioned: bool) -> dict[str, Any]:
+    """Interference and faults: what happens between the plan and the chunks, and between batches."""
+    kinds = ["writers", "live_writers", "live_writers", "kill", "lock_timeout", "policy_edit", "rerun"]
+    edits = ["longer", "tighter"]
+    if partitioned:
+        # Partition actions are where a plan's word can outlive the policy: weigh them up.
+        kinds += ["dba_detach", "forged_drop", "forged_drop", "policy_edit"]
+        edits += ["to_delete", "to_detach", "to_delete", "to_detach"]
+    kind = draw(st.sampled_from(kinds))
+    return {
+        "kind": kind,
+        "seed": draw(st.integers(0, 2**31)),
+        "after_batches": draw(st.integers(0, 4)),
+        "edit": draw(st.sampled_from(edits)),
+    }
+
+
+def _months(anchor: datetime) -> list[datetime]:
+    """Month starts from 7 months before the run date to 2 after: the RANGE partitions' bounds."""
+    first = anchor.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    out = []
+    for k in range(-7, 3):
+        index = first.year * 12 + first.month - 1 + k
+        y, m = divmod(index, 12)
+        out.append(first.replace(year=y, month=m + 1))
+    return out
+
+
+def target_alias_supported() -> bool:
+    """Whether this version names the target row in a condition by the table's unqualified name (the
+    correlated ``NOT EXISTS`` of the grammar needs it; docs/policies.md, "Referring to the row")."""
+    from airflow_retention.core import sql
+
+    return hasattr(sql, "target_from")
+
+
+@st.composite
+def cases(draw: Any, partitioned: bool | None = None, noref: bool | None = None, faults: bool = False) -> Case:
+    if noref is None:
+        noref = target_alias_supported()
+    return build_case(draw, partitioned=partitioned, noref=noref, faults=faults)
+
+
+# --- SQL ---------------------------------------------------------------------------------------------------
+def ts_literal(case: Case, iso: str | None) -> str:
+    if iso is None:
+        return "NULL"
+    value = datetime.fromisoformat(iso).astimezone(UTC)
+    kind = case.table["ts_type"]
+    if kind == "timestamptz":
+        return f"'{value.isoformat()}'::timestamptz"
+    if kind == "timestamp":
+        return f"'{value.replace(tzinfo=None).isoformat()}'::timestamp"
+    return f"'{value.date().isoformat()}'::date"
+
+
+def render_sql(case: Case, schema: str) -> list[str]:
+    """Every statement that builds the case in ``schema``: types, table, partitions, indexes, rows,
+    the refs table, the tenant lookup table and the archive table."""
+    t = case.table
+    n = t["names"]
+    s = quote(schema)
+    table = f"{s}.{quote(n['table'])}"
+    out: list[str] = []
+    tenant_sql_type = t["tenant_type"]
+    if tenant_sql_type == "enum":
+        values = ", ".join(sql_literal(v) for v in tenant_values("enum"))
+        out.append(f"CREATE TYPE {s}.tenant_e AS ENUM ({values})")
+        tenant_sql_type = f"{s}.tenant_e"
+    elif tenant_sql_type == "domain":
+        out.append(f"CREATE DOMAIN {s}.tenant_d AS varchar(12) CHECK (VALUE <> '')")
+        tenant_sql_type = f"{s}.tenant_d"
+    elif tenant_sql_type == "dchar":
+        out.append(f"CREATE DOMAIN {s}.tenant_c AS char(4)")
+        tenant_sql_type = f"{s}.tenant_c"
+    ts_type = {"timestamptz": "timestamptz", "timestamp": "timestamp", "date": "date"}[t["ts_type"]]
+    key_type = {"bigint": "bigint", "uuid": "uuid", "text": "text", "composite": "bigint", "none": None}[t["key_kind"]]
+    cols = ["rid bigint NOT NULL"]
+    if key_type:
+        cols.append(f"{quote(n['key'])} {key_type} NOT NULL")
+    cols.append(f"{quote(n['ts'])} {ts_type}")
+    if tenant_sql_type:
+        cols.append(f"{quote(n['tenant'])} {tenant_sql_type}")
+    cols += [f"{quote(n['status'])} text", "n integer", "payload text"]
+    part = t["partition"]
+    if part is None and t["key_kind"] in ("bigint", "uuid", "text"):
+        cols.append(f"PRIMARY KEY ({quote(n['key'])})")
+    elif part is None and t["key_kind"] == "composite":
+        cols.append(f"PRIMARY KEY ({quote(n['key'])}, rid)")
+    by = {
+        None: "",
+        "range": f" PARTITION BY RANGE ({quote(n['ts'])})",
+        "range_hash": f" PARTITION BY RANGE ({quote(n['ts'])})",
+        "range_list": f" PARTITION BY RANGE ({quote(n['ts'])})",
+        "list": f" PARTITION BY LIST ({quote(n['tenant'])})",
+        "hash": " PARTITION BY HASH (rid)",
+    }[part]
+    out.append(f"CREATE TABLE {table} ({', '.join(cols)}){by}")
+    anchor = case.anchor
+    if part in ("range", "range_hash", "range_list"):
+        months = _months(anchor)
+        for i in range(len(months) - 1):
+            leaf = f"{s}.{quote(f'p {i}')}"
+            lo, hi = ts_bound(case, months[i]), ts_bound(case, months[i + 1])
+            sub = ""
+            if part == "range_hash":
+                sub = " PARTITION BY HASH (rid)"
+            elif part == "range_list" and t["tenant_type"]:
+                sub = f" PARTITION BY LIST ({quote(n['tenant'])})"
+            out.append(f"CREATE TABLE {leaf} PARTITION OF {table} FOR VALUES FROM ({lo}) TO ({hi}){sub}")
+            if part == "range_hash":
+                for r in range(2):
+                    out.append(
+                        f"CREATE TABLE {s}.{quote(f'p {i} h{r}')} PARTITION OF {leaf}"
+                        f" FOR VALUES WITH (MODULUS 2, REMAINDER {r})"
+                    )
+            elif part == "range_list":
+                first = sql_literal(tenant_values(t["tenant_type"])[0])
+                out.append(f"CREATE TABLE {s}.{quote(f'p {i} a')} PARTITION OF {leaf} FOR VALUES IN ({first})")
+                out.append(f"CREATE TABLE {s}.{quote(f'p {i} rest')} PARTITION OF {leaf} DEFAULT")
+        if t["default"]:
+            out.append(f"CREATE TABLE {s}.{quote('p default')} PARTITION OF {table} DEFAULT")
+    elif part == "list":
+        values = tenant_values(t["tenant_type"])
+        out.append(f"CREATE TABLE {s}.{quote('l a')} PARTITION OF {table} FOR VALUES IN ({sql_literal(values[0])})")
+        out.append(
+            f"CREATE TABLE {s}.{quote('l b')} PARTITION OF {table}"
+            f" FOR VALUES IN ({sql_literal(values[1])}, {sql_literal(values[2])})"
+        )
+        out.append(f"CREATE TABLE {s}.{quote('l rest')} PARTITION OF {table} DEFAULT")
+    elif part == "hash":
+        for r in range(3):
+            out.append(
+                f"CREATE TABLE {s}.{quote(f'h {r}')} PARTITION OF {table} FOR VALUES WITH (MODULUS 3, REMAINDER {r})"
+            )
+    if t["ts_index"]:
+        out.append(f"CREATE INDEX ON {table} ({quote(n['ts'])})")
+    if part is not None and key_type:
+        out.append(f"CREATE INDEX ON {table} ({quote(n['key'])})")
+    if tenant_sql_type and case.policy.get("chunk_by") == "key" and key_type:
+        out.append(f"CREATE INDEX ON {table} ({quote(n['tenant'])}, {quote(n['key'])})")
+    names = ["rid"] + ([quote(n["key"])] if key_type else []) + [quote(n["ts"])]
+    names += [quote(n["tenant"])] if tenant_sql_type else []
+    names += [quote(n["status"]), "n", "payload"]
+    values = []
+    for rid, key, ts, tenant, status, num in case.rows:
+        v = [str(rid)] + ([sql_literal(key)] if key_type else []) + [ts_literal(case, ts)]
+        v += [sql_literal(tenant)] if tenant_sql_type else []
+        payload = f"payload {rid} " + ("x" * 400 if t.get("wide") else "")
+        v += [sql_literal(status), sql_literal(num), sql_literal(payload)]
+        values.append(f"({', '.join(v)})")
+    for i in range(0, len(values), 500):
+        out.append(f"INSERT INTO {table} ({', '.join(names)}) VALUES {', '.join(values[i : i + 500])}")
+    out.append(f"CREATE TABLE {s}.refs (rid bigint NOT NULL)")
+    if case.refs:
+        out.append(f"INSERT INTO {s}.refs VALUES {', '.join(f'({r})' for r in case.refs)}")
+    if case.tenant_table is not None:
+        out.append(f"CREATE TABLE {s}.tenant_ret ({quote(n['tenant'])} {tenant_sql_type}, retention interval)")
+        if case.tenant_table:
+            vals = ", ".join(
+                f"({sql_literal(tv)}, {sql_literal(r)}::interval)" if r else f"({sql_literal(tv)}, NULL)"
+                for tv, r in case.tenant_table
+            )
+            out.append(f"INSERT INTO {s}.tenant_ret VALUES {vals}")
+    if case.policy.get("archive_table"):
+        out.append(f"CREATE TABLE {s}.archive (LIKE {table})")
+    out.append(f"ANALYZE {table}")
+    return out
+
+
+def ts_bound(case: Case, moment: datetime) -> str:
+    if case.table["ts_type"] == "timestamptz":
+        return f"'{moment.isoformat()}'"
+    if case.table["ts_type"] == "timestamp":
+        return f"'{moment.replace(tzinfo=None).isoformat()}'"
+    return f"'{moment.date().isoformat()}'"
+
+
+def policy_for(case: Case, schema: str) -> dict[str, Any]:
+    """The case's policy with its names resolved in ``schema``: what goes to ``RetentionPolicy.from_dict``
+    and into the reproducer's YAML."""
+    p = dict(case.policy)
+    n = case.table["names"]
+    p["table"] = f"{quote(schema)}.{quote(n['table'])}"
+    p["ledger_schema"] = f"{schema}_ledger"
+    if case.condition is not None:
+        cols = {
+            "status": quote(n["status"]),
+            "n": "n",
+            "rid": "rid",
+            "refs": f"{quote(schema)}.refs",
+        }
+        p["condition"] = condition_sql(case.condition, cols, target_alias(n["table"]))
+    if p.get("tenant_retention_table"):
+        p["tenant_retention_table"] = f"{quote(schema)}.tenant_ret"
+    if p.get("archive_table"):
+        p["archive_table"] = f"{quote(schema)}.archive"
+    return p
+
+
+def target_alias(table_name: str) -> str:
+    """How a condition names the row being deleted: the policy table's unqualified name (docs/policies.md)."""
+    return quote(table_name)
+
+
+def as_date(value: datetime) -> date:
+    return value.date()
