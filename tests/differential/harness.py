@@ -378,6 +378,8 @@ def _run_and_check(run: CaseRun, executor: Any = None) -> None:
     # The frozen cutoffs themselves: the run's, and each tenant's, as the oracle computes them.
     if run_row is not None and run_row["cutoff"] != oracle.cutoff:
         run.problems.append(f"the ledger's cutoff is {run_row['cutoff']}, the oracle's {oracle.cutoff}")
+    if run_row is not None and run_row.get("run_date") not in (None, anchor):
+        run.problems.append(f"the ledger's run_date is {run_row['run_date']}, the run's date {anchor}")
     ls = quote(f"{run.schema}_ledger")
     if q(run.admin, "SELECT to_regclass(%(t)s) IS NOT NULL", {"t": f"{ls}.tenant_cutoffs"})[0][0]:
         frozen = dict(
@@ -462,9 +464,9 @@ def _run_and_check(run: CaseRun, executor: Any = None) -> None:
         detached_rows: set[int] = set()
         for c in chunks:
             if c.get("outcome") == "detached" and c.get("partition_oid") is not None:
-                detached_rows |= {
-                    rid for rid in gone if before[rid].partition in tree_before.get(c["partition_oid"], [])
-                }
+                # Where the row was last seen: a writer may have moved it into the partition since planning.
+                leaves = tree_before.get(c["partition_oid"], [])
+                detached_rows |= {rid for rid in gone if last_seen[rid].partition in leaves}
         archived = run.archived()
         if sorted(archived) != sorted(gone - detached_rows):
             extra = sorted(set(archived) - gone)
