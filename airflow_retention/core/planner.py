@@ -36,6 +36,7 @@ from airflow_retention.core.sql import (
     BLOCK_COUNT,
     MAX_KEY,
     MIN_KEY,
+    RELATION_KIND,
     TENANT_CORRELATION,
     block_sample_statement,
     boundary_statement,
@@ -444,6 +445,16 @@ def check_lone_range(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> No
         return  # a whole partition: no range
     if policy.chunk_by == "block" or chunk.partition is not None:
         relation = TableName.parse(chunk.partition) if chunk.partition is not None else policy.table
+        if chunk.partition is None:
+            (kind,) = dbapi.fetch_all(conn, RELATION_KIND, {"rel": relation.regclass_literal})[0]
+            if kind == "p":
+                # A partitioned table has no blocks of its own: the range would succeed with 0 rows.
+                raise PermanentError(
+                    f"policy {policy.name!r}: chunk {chunk.key}: blocks=({chunk.lo}, {chunk.hi}) on {relation},"
+                    " a partitioned table, which has no blocks of its own: block numbers belong to one leaf"
+                    " partition (give partition='schema.leaf' with the range), or give keys=(lo, hi) for a"
+                    " key range; nothing was deleted"
+                )
         try:
             (blocks, _, _) = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": relation.regclass_literal})[0]
         except PermanentError:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.errors import RetryableError
+from airflow_retention.core.errors import PermanentError, RetryableError
 from airflow_retention.core.ledger import ChunkSpec, Ledger
 from airflow_retention.core.planner import plan_run
 from tests.conftest import connect
@@ -251,3 +251,27 @@ def test_a_partition_chunk_does_no_more_than_both_its_plan_and_the_policy_now_al
     action, why = wanted_action(policy, planned)
     assert action == expected
     assert bool(why) == (action != planned)
+
+
+def test_a_lone_block_range_on_a_partitioned_table_without_a_leaf_is_refused(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    """The parent of a partitioned table has no blocks of its own: a lone blocks=(lo, hi) on it would
+    succeed with 0 rows. It is refused, naming the fix, before any ledger row is written."""
+    create_monthly(admin, schema)
+    policy = drop_policy(schema, expired_partitions="delete")
+    before = scalar(admin, f'SELECT count(*) FROM "{schema}".events')
+    with pytest.raises(PermanentError, match="partitioned table, which has no blocks of its own"):
+        run_chunk(conn, policy, CUTOFF, ChunkSpec(key="blocks:0-1000", lo=0, hi=1000), lone=True)
+    assert scalar(admin, f'SELECT count(*) FROM "{schema}".events') == before > 0
+    assert scalar(admin, f'SELECT count(*) FROM "{policy.ledger_schema}".runs') == 0
+    # The same range on a leaf purges that leaf's eligible rows.
+    leaf = ChunkSpec(
+        key=f"blocks:0-1000:{schema}.m01",
+        lo=0,
+        hi=1000,
+        partition=f"{schema}.m01",
+        partition_oid=oid_of(admin, schema, "m01"),
+    )
+    result = run_chunk(conn, policy, CUTOFF, leaf, lone=True)
+    assert result.rows_deleted > 0
