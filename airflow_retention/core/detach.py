@@ -13,8 +13,9 @@ partition is ``kept``. Then one of two ways:
 - **atomic** (a ``condition`` or a tenant column, whose rows must be proved eligible under lock, or a
   DEFAULT partition, with which PostgreSQL refuses CONCURRENTLY): the rows checked once without any lock
   that writers wait for, then one short transaction that locks the parent first and the partition
-  second (the order of writers through the parent, so that they never deadlock), re-reads the bound,
-  checks the rows again, and runs a plain ``DETACH``.
+  second (the order of writers through the parent, so that they never deadlock) in SHARE mode (writers
+  wait, readers go on), re-reads the bound, checks the rows again, and takes ACCESS EXCLUSIVE on the
+  parent only for the plain ``DETACH`` itself.
 
 The chunk records that the detach is its own (``action_started_at``) only once it knows: in the plain
 detach's own commit, after ``CONCURRENTLY`` returned, or after a failed one left the partition pending
@@ -353,8 +354,9 @@ def _plain_detach(
 ) -> PartitionOutcome | None:
     """The detach in one transaction (a condition or a tenant rule to prove under lock, or a DEFAULT
     partition, with which PostgreSQL refuses CONCURRENTLY): the parent's lock first, then the partition's,
-    the order in which writers through the parent take theirs, so that the two never deadlock; the proof
-    again under the locks, the plain DETACH, and the claim, in one commit. The count, the drop or the move
+    the order in which writers through the parent take theirs, so that the two never deadlock: SHARE while
+    the rows are proved again (writers wait, readers go on), ACCESS EXCLUSIVE on the parent only for the
+    plain DETACH itself; the claim in the same commit. The count, the drop or the move
     follow in :func:`_finish`, after the parent's lock is released. None once detached; the outcome when
     the partition is kept."""
     assert chunk.partition_oid is not None
@@ -383,8 +385,11 @@ def _plain_detach(
                 f"chunk {chunk.key}: partition {planned} changed before its detach; the retry looks again"
             )
         # Each wait is bounded by lock_timeout: a timeout rolls back this transaction, nothing is detached.
-        cur.execute(lock_statement(before.parent, "ACCESS EXCLUSIVE", only=True))
-        cur.execute(lock_statement(before.table, "ACCESS EXCLUSIVE"))
+        # SHARE while the rows are checked: writers wait (parent first, their order), readers go on; the
+        # check may read the whole partition, and an ACCESS EXCLUSIVE held that long would stop every
+        # query on the table.
+        cur.execute(lock_statement(before.parent, "SHARE", only=True))
+        cur.execute(lock_statement(before.table, "SHARE"))
         state = partition_state(cur, policy, chunk.partition_oid)
         if state != before:
             raise RetryableError(
@@ -398,6 +403,10 @@ def _plain_detach(
             if cur.fetchone()[0]:
                 return _keep(cur, ledger, run_key, chunk, attempt, planned, _HOLDS_KEPT)
         step("before_detach")
+        # Only the DETACH itself holds ACCESS EXCLUSIVE (parent first, then the partition, as DETACH takes
+        # them), until the commit a few milliseconds later. Writers queued on the SHARE locks hold nothing
+        # of the two, so the upgrade waits for readers only, bounded by lock_timeout.
+        cur.execute(lock_statement(state.parent, "ACCESS EXCLUSIVE", only=True))
         why = "condition checked under lock" if check else "a DEFAULT partition forbids CONCURRENTLY"
         log.info("chunk %s: ALTER TABLE %s DETACH PARTITION %s (%s)", chunk.key, state.parent, state.table, why)
         cur.execute(detach_statement(state.parent, state.table, ""))

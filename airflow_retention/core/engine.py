@@ -573,12 +573,14 @@ def _leaf_vanished(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: T
 
 def _leaf_gone(cur: Any, policy: RetentionPolicy, chunk: ChunkSpec, leaf: TableName) -> str | None:
     """Why the chunk's leaf partition can no longer be purged (dropped, detached, renamed), or None after
-    locking it for the batch: with ROW EXCLUSIVE held, a concurrent DETACH cannot finish mid-batch."""
+    locking it for the batch: with ROW EXCLUSIVE (a dry run: ACCESS SHARE) held, a concurrent DETACH cannot
+    finish mid-batch."""
     assert chunk.partition_oid is not None
     reason = gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf)
     if reason is not None:
         return reason
-    cur.execute(lock_statement(leaf, "ROW EXCLUSIVE"))
+    # A dry run only reads: ACCESS SHARE also keeps a DETACH from finishing, and needs no write privilege.
+    cur.execute(lock_statement(leaf, "ACCESS SHARE" if policy.dry_run else "ROW EXCLUSIVE"))
     return gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf)
 
 
@@ -659,6 +661,10 @@ def _ensure_chunk_row(
             known = ledger.read_chunk(cur, key, chunk.key) is not None
         if not known:  # checked once, before its first ledger row: a table shrunk since does not fail a retry
             check_lone_range(conn, policy, chunk)
+            if chunk.tenants:
+                # A tenant the column would store as another value ('acmecorp' in a char(4)) would purge
+                # that other tenant's rows, counted under the name given: refused, as in the maps.
+                tenants.as_printed(conn, policy, inspect_target(conn, policy), list(chunk.tenants), "tenants")
     if lone and tenants.has_per_tenant_rules(policy):
         # No planner froze this run's tenant cutoffs: freeze them now, from the run's own date.
         overrides = freeze_tenant_cutoffs(conn, policy, inspect_target(conn, policy), cutoff, run_date).overrides

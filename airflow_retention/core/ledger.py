@@ -20,6 +20,8 @@ from airflow_retention.core.policy import RetentionPolicy
 SCHEMA_VERSION = 5
 
 # Each step moves the ledger from version N-1 to N. Steps only ever get appended.
+MIGRATION_LOCK_TIMEOUT_MS = 30_000
+
 _MIGRATIONS: dict[int, str] = {
     1: """
 CREATE TABLE IF NOT EXISTS {s}.runs (
@@ -152,8 +154,13 @@ CREATE TABLE IF NOT EXISTS {s}.dead_letters (
     # The run's date beside its cutoff: per-tenant cutoffs are frozen from it, and months do not let the
     # cutoff tell it back (runs of 03-28 to 03-31 share the cutoff 02-28 of "1 month"). NULL for runs
     # recorded before, and for a run given only a cutoff that does not tell its date.
+    # Before version 5, action_started_at was set *before* DETACH ... CONCURRENTLY; from 5 on it means
+    # "this chunk's detach is known to be its own". An unfinished chunk's old mark is not that proof: a
+    # partition a DBA detached after such a failed attempt would be dropped. Cleared, the retry treats a
+    # detached partition as someone else's (kept, never dropped): the safe side.
     5: """
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS run_date timestamptz;
+UPDATE {s}.chunks SET action_started_at = NULL WHERE state <> 'complete' AND action_started_at IS NOT NULL;
 """,
 }
 
@@ -210,6 +217,9 @@ class Ledger:
         with dbapi.transaction(conn) as cur:
             # Concurrent creators queue on this lock; IF NOT EXISTS alone races on the catalog.
             cur.execute("SELECT pg_advisory_xact_lock(hashtext(%(k)s))", {"k": f"airflow_retention:{self.schema}"})
+            # A migration's ALTER TABLE waits for every open reader of the ledger (a `status`, the view),
+            # and every ledger user queues behind it: bounded, a timeout fails retryably.
+            cur.execute(f"SET LOCAL lock_timeout = '{MIGRATION_LOCK_TIMEOUT_MS}ms'")
             # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema is there.
             cur.execute("SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(n)s", {"n": self.schema})
             if cur.fetchone() is None:

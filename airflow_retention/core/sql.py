@@ -413,8 +413,9 @@ def lock_statement(relation: TableName, mode: str, *, only: bool = False) -> str
     """``LOCK TABLE`` in one of the modes the engine takes: ``SHARE`` (writers wait, so a count and a
     check stay true until commit), ``ROW EXCLUSIVE`` (what a DELETE takes anyway: a concurrent detach
     cannot finish while a batch runs) or ``ACCESS EXCLUSIVE`` (a plain detach: taken on the parent
-    first, as writers through the parent take theirs). ``only``: not the relation's partitions."""
-    if mode not in ("SHARE", "ROW EXCLUSIVE", "ACCESS EXCLUSIVE"):
+    first, as writers through the parent take theirs), or ``ACCESS SHARE`` (a dry run's leaf: read
+    only, and still no DETACH can finish). ``only``: not the relation's partitions."""
+    if mode not in ("ACCESS SHARE", "SHARE", "ROW EXCLUSIVE", "ACCESS EXCLUSIVE"):
         raise ValueError(f"unknown lock mode {mode!r}")
     return f"LOCK TABLE {'ONLY ' if only else ''}{relation.sql} IN {mode} MODE"
 

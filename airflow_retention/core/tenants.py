@@ -101,12 +101,12 @@ def compute(
     found: dict[str, tuple[Retention | str, str]] = {}
     if policy.tenant_retention_table is not None:
         table = _read_table(conn, policy, target)
-        canonical = _canonical(conn, policy, target, [t for t, _ in table], "tenant_retention_table")
+        canonical = as_printed(conn, policy, target, [t for t, _ in table], "tenant_retention_table")
         longest = _longest_per_tenant(conn, policy, anchor, [(canonical[t], r) for t, r in table])
         for tenant, retention in longest.items():
             found[tenant] = (retention, "table")
     if policy.tenant_retention:
-        canonical = _canonical(conn, policy, target, [t for t, _ in policy.tenant_retention], "tenant_retention")
+        canonical = as_printed(conn, policy, target, [t for t, _ in policy.tenant_retention], "tenant_retention")
         mapped: dict[str, Retention] = {}
         for tenant, retention in policy.tenant_retention:
             # Two keys the column prints alike ('007' and '7' of an integer column): the longest wins, as above.
@@ -151,7 +151,7 @@ def _read_table(conn: Any, policy: RetentionPolicy, target: TargetInfo) -> list[
     assert table is not None and policy.tenant_column is not None
     where = f"policy {policy.name!r}: field 'tenant_retention_table'"
     # Types without their modifier: only whether 'retention' is an interval matters here (the tenant
-    # values are read as text, then checked against the target's column by _canonical).
+    # values are read as text, then checked against the target's column by as_printed).
     columns = dbapi.fetch_all(
         conn,
         "SELECT a.attname::text, format_type(a.atttypid, NULL) FROM pg_catalog.pg_attribute a"
@@ -230,7 +230,7 @@ def _table_cutoffs(conn: Any, anchor: datetime, rows: dict[str, Retention | str]
     return dict(found)
 
 
-def _canonical(
+def as_printed(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, tenants: list[str], field_name: str
 ) -> dict[str, str]:
     """Each tenant value as the tenant column prints it (``'007'`` → ``'7'``, an upper-case uuid → lower

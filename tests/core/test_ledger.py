@@ -281,6 +281,15 @@ def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
         " 10, 'test')",
         {"c": CUTOFF},
     )
+    # A version-4 mark of a detach that had only been started (set before DETACH ... CONCURRENTLY), on an
+    # unfinished chunk, and one on a completed chunk.
+    for chunk_key, state in (("detach:s.m01", "pending"), ("detach:s.m02", "complete")):
+        rows(
+            admin,
+            f"INSERT INTO {s}.chunks (run_key, chunk_key, lo, hi, next_key, state, action, action_started_at)"
+            " VALUES ('p@v4', %(k)s, 0, 1, 0, %(st)s, 'detach', now())",
+            {"k": chunk_key, "st": state},
+        )
     old_run = ledger_run(admin, ledger.schema, "p@v4")
     assert old_run is not None and "run_date" not in old_run
     read = ledger.get_run(conn, "p@v4")
@@ -288,6 +297,10 @@ def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
     assert [r["run_key"] for r in ledger.recent_runs(conn, "p")] == ["p@v4"]
 
     assert ledger.ensure(conn) == SCHEMA_VERSION == 5
+    # From version 5 the mark means "this chunk's detach is its own": the old unfinished mark is no such
+    # proof (a partition a DBA detached since would be dropped), so it is cleared; a finished one stays.
+    marks = dict(rows(admin, f"SELECT chunk_key, action_started_at IS NOT NULL FROM {s}.chunks ORDER BY 1"))
+    assert marks == {"detach:s.m01": False, "detach:s.m02": True}
     run = ledger_run(admin, ledger.schema, "p@v4")
     assert run is not None
     assert {k: run[k] for k in old_run} == old_run

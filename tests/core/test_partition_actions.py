@@ -275,3 +275,42 @@ def test_a_lone_block_range_on_a_partitioned_table_without_a_leaf_is_refused(
     )
     result = run_chunk(conn, policy, CUTOFF, leaf, lone=True)
     assert result.rows_deleted > 0
+
+
+def test_the_atomic_detach_lets_readers_through_while_it_checks_the_rows(
+    schema: str, conn: Any, admin: Any, driver: str
+) -> None:
+    """With a condition the chunk proves every row of the partition eligible under lock before its plain
+    DETACH: a scan of the whole partition. Writers must wait for it, readers must not: only the DETACH
+    itself holds ACCESS EXCLUSIVE on the parent (milliseconds)."""
+    create_monthly(admin, schema, status="'closed'")
+    policy = drop_policy(schema, condition=CONDITION)
+    plan = plan_run(conn, policy, CUTOFF)
+    chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+    seen: dict[str, Any] = {}
+
+    def probe(step: str) -> None:
+        if step != "before_detach":  # the rows are proved, the locks of the proof held
+            return
+        other = connect(driver)
+        try:
+            with other.cursor() as cur:
+                cur.execute("SET lock_timeout = '1s'")
+                cur.execute(f'SELECT count(*) FROM "{schema}".events')
+                seen["read"] = cur.fetchone()[0]
+            other.rollback()
+            with other.cursor() as cur:
+                cur.execute("SET lock_timeout = '200ms'")
+                try:
+                    cur.execute(f"UPDATE \"{schema}\".events SET status = 'closed' WHERE id = -1")
+                    seen["write"] = "went through"
+                except Exception as exc:  # noqa: BLE001 - the lock timeout is what the test expects
+                    seen["write"] = type(exc).__name__ + ": " + str(exc).splitlines()[0]
+            other.rollback()
+        finally:
+            other.close()
+
+    result = run_chunk(conn, policy, plan.cutoff, chunk, on_step=probe)
+    assert result.outcome == "dropped"
+    assert seen["read"] == scalar(admin, f'SELECT count(*) FROM "{schema}".events') + result.rows_deleted
+    assert "lock timeout" in seen["write"], seen

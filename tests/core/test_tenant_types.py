@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.catalog import inspect_target
+from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.ledger import ChunkSpec
 
 from .helpers import CUTOFF, create_events, fill_events, ledger_chunks, make_policy, rows, scalar
 from .tenant_helpers import CREATED, purge
@@ -178,3 +180,21 @@ def test_a_lookup_table_tenant_of_a_char_column(schema: str, conn: Any, admin: A
     with pytest.raises(PermanentError, match=r"field 'tenant_retention_table': tenant 'acmecorp' is not a value"):
         purge(conn, make_policy(schema, name="another_run", chunk_by=chunk_by, tenant_column="tenant_id",
                                 tenant_retention_table=f"{schema}.keep"))  # fmt: skip
+
+
+def test_a_lone_chunk_naming_a_tenant_the_column_would_store_as_another_is_refused(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    """``tenants=['acmecorp']`` on a char(4) column: the cast would purge acme's rows and count them under
+    'acmecorp'. Refused before any ledger row or deletion; the tenant as stored works."""
+    table = tenant_table(admin, schema, "char(4)", count=400)
+    before = all_ids(admin, table)
+    policy = make_policy(schema, chunk_by="key", tenant_column="tenant_id")
+    with pytest.raises(PermanentError, match="field 'tenants': tenant 'acmecorp' is not a value of column"):
+        run_chunk(conn, policy, CUTOFF, ChunkSpec(key="lone", lo=0, hi=10**9, tenants=("acmecorp",)), lone=True)
+    assert all_ids(admin, table) == before
+    assert scalar(admin, f'SELECT count(*) FROM "{policy.ledger_schema}".runs') == 0
+    acme = eligible_by_tenant(admin, table)["acme"]
+    result = run_chunk(conn, policy, CUTOFF, ChunkSpec(key="lone2", lo=0, hi=10**9, tenants=("acme",)), lone=True)
+    assert result.rows_deleted == len(acme) > 0
+    assert all_ids(admin, table) == before - acme
