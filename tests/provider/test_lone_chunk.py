@@ -111,7 +111,8 @@ def test_a_lone_range_past_the_tables_end_fails_and_deletes_nothing(
     capfd.readouterr()
     dag_run = load_dag(dag_id).test(logical_date=utc("2026-01-01"))
     assert dag_run.state == "failed"
-    assert words in capfd.readouterr().out
+    out = " ".join(capfd.readouterr().out.split())  # Airflow 3.0's console log wraps long exception messages
+    assert words in out
     assert query(audit, "SELECT count(*) FROM audit.audit_log")[0][0] == before
     # Refused before its first ledger row: no lone run was recorded.
     assert query(audit, "SELECT count(*) FROM retention.runs")[0][0] == 0
