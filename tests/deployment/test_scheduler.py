@@ -99,13 +99,16 @@ def test_backfills_through_the_rest_api_with_reprocess_behaviours(
 ) -> None:
     dag_id = "retention_tenant_events"
     policy = policy_map["tenant_events"]
-    latest = freeze_cutoff(policy, day(0))
-    before = snapshot(target, policy, latest)
+    # The scheduler's latest run is today's, or tomorrow's if the test crosses midnight UTC: what each
+    # would keep, taken before anything runs; the run's own date picks one.
+    befores = {d: snapshot(target, policy, freeze_cutoff(policy, d)) for d in (day(0), day(1))}
     deployment.wait_for_dag(dag_id)
     deployment.unpause(dag_id)
     # catchup off: unpausing creates only the latest run.
     (scheduled,) = deployment.wait_for_runs(dag_id, lambda rs: finished(rs, 1), timeout=budget(45))
     assert (scheduled["run_type"], scheduled["state"]) == ("scheduled", "success")
+    (run_day,) = [d for d in befores if d.date().isoformat() == scheduled["logical_date"][:10]]
+    latest, before = freeze_cutoff(policy, run_day), befores[run_day]
     # The DAG stays unpaused: Airflow does not run the backfill runs of a paused DAG.
 
     # Three missed days; their cutoffs are older than the latest run's, so they find nothing left.
