@@ -19,6 +19,7 @@ from airflow_retention.core.planner import plan_run
 from airflow_retention.core.policy import RetentionPolicy, load_policies
 from airflow_retention.demo.postgres import airflow_connection_json
 from tests.conftest import DAGS_FOLDER
+from tests.provider.conftest import xcom_values
 
 from .conftest import RUN_DATE
 from .markdown import REPO, Block, blocks
@@ -47,21 +48,6 @@ def airflow_metadata() -> None:
     """The throwaway Airflow home's metadata database, migrated (dag.test() records its run there)."""
     airflow = Path(sys.executable).with_name("airflow")
     subprocess.run([str(airflow), "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
-
-
-def xcom_values(dag_run: Any, task_id: str, key: str) -> list[Any]:
-    from airflow import settings
-    from airflow.models.xcom import XComModel
-    from sqlalchemy import select
-
-    session = settings.Session()
-    rows = session.execute(
-        select(XComModel.value)
-        .where(XComModel.dag_id == dag_run.dag_id, XComModel.run_id == dag_run.run_id)
-        .where(XComModel.task_id == task_id, XComModel.key == key)
-        .order_by(XComModel.map_index)
-    ).all()
-    return [XComModel.deserialize_value(row) for row in rows]
 
 
 @pytest.mark.airflow
