@@ -12,7 +12,12 @@ from airflow.sdk import DAG, BaseOperator, TaskGroup
 
 from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF, AirflowFailException
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy import _NAME, DAG_ID_PREFIX, RetentionPolicy, load_policies_lenient
+from airflow_retention.core.policy import (
+    DAG_ID_PREFIX,
+    RetentionPolicy,
+    load_policies_lenient,
+    problem_dag_ids,
+)
 from airflow_retention.operators.retention import (
     CHUNK_LABEL_TEMPLATE,
     RetentionChunkOperator,
@@ -109,7 +114,6 @@ def build_dag(policy: RetentionPolicy, *, dag_id: str | None = None, **group_kwa
 
 
 # The DAG of an unreadable policies file, and of the entries that cannot be named by a DAG id of their own.
-INVALID_POLICIES_DAG_ID = f"{DAG_ID_PREFIX}invalid_policies"
 INVALID_TAGS = ["retention", "invalid"]
 
 
@@ -175,16 +179,10 @@ def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError
             problems.append(PolicyError(policy.name, None, f"cannot build its DAG: {exc}"))
             continue
         dags[dag.dag_id] = dag
-    bad: dict[str, list[str]] = {}
     for problem in problems:
         log.warning("invalid retention policy: %s", problem)
-        name = problem.policy
-        dag_id = f"{DAG_ID_PREFIX}{name}" if isinstance(name, str) and _NAME.match(name) else None
-        if dag_id is None or dag_id in dags:  # no usable name, or the id of a valid policy of the same name
-            dag_id = INVALID_POLICIES_DAG_ID
-        bad.setdefault(dag_id, []).append(str(problem))
-    if INVALID_POLICIES_DAG_ID in bad and INVALID_POLICIES_DAG_ID in dags:  # a valid policy named invalid_policies
-        bad[f"{INVALID_POLICIES_DAG_ID}_entries"] = bad.pop(INVALID_POLICIES_DAG_ID)
+    built = [dag_id.removeprefix(DAG_ID_PREFIX) for dag_id in dags]
+    bad = problem_dag_ids(built, problems)
     for dag_id, messages in bad.items():
         dags[dag_id] = invalid_policy_dag(dag_id, messages)
     return dags

@@ -7,8 +7,16 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_retention.cli.config import Target, connect, load_policies, redact, select_policies, target_for
-from airflow_retention.cli.errors import EXIT_INCOMPLETE, EXIT_OK, CliError
+from airflow_retention.cli.config import (
+    Target,
+    connect,
+    load_policies,
+    load_policy_file,
+    redact,
+    select_policies,
+    target_for,
+)
+from airflow_retention.cli.errors import EXIT_FAILING, EXIT_INCOMPLETE, EXIT_OK, CliError
 from airflow_retention.cli.timefmt import iso, parse_instant, run_cutoff
 
 
@@ -34,29 +42,57 @@ def _by_target(policies: Sequence[Any], dsn: str | None) -> dict[Target, list[An
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from airflow_retention.cli.report import policy_status
+    """Exit 0 when every selected policy is healthy, 3 when one is failing (an invalid entry in the file,
+    a database that cannot be reached, a target check that fails, a latest run stopped on an error)."""
+    from airflow_retention.cli.report import PolicyStatus, policy_status
 
-    policies = select_policies(load_policies(args.policies), args.policy)
+    policies, invalid = load_policy_file(args.policies)
+    if args.policy:
+        # An invalid policy named on the command line is reported as invalid, not as unknown.
+        invalid = [e for e in invalid if e.policy in args.policy]
+        valid = [n for n in args.policy if n not in {e.policy for e in invalid}]
+        policies = select_policies(policies, valid) if valid else []
+    elif not policies and not invalid:
+        raise CliError("the policies file holds no policy")
     if args.limit < 1:
         raise CliError("--limit must be at least 1")
     if args.watch or args.follow:
         return _watch(args, policies)
     as_of = parse_instant(args.as_of, "--as-of") if args.as_of else None
-    statuses = {}
-    for target, group in _by_target(policies, args.dsn).items():
-        with connect(target.dsn) as conn:
+    statuses: dict[str, PolicyStatus] = {}
+    unreachable: dict[str, str] = {}
+    groups: dict[Target, list[Any]] = {}
+    for policy in policies:
+        try:
+            groups.setdefault(target_for(policy, args.dsn), []).append(policy)
+        except CliError as exc:  # an undefined connection: this policy's problem, the others still report
+            unreachable[policy.name] = str(exc)
+    for target, group in groups.items():
+        try:
+            with connect(target.dsn) as conn:
+                for policy in group:
+                    statuses[policy.name] = policy_status(conn, policy, limit=args.limit, as_of=as_of)
+        except CliError as exc:
             for policy in group:
-                statuses[policy.name] = policy_status(conn, policy, limit=args.limit, as_of=as_of)
-    ordered = [statuses[p.name] for p in policies]
+                unreachable.setdefault(policy.name, str(exc))
+    ordered = [statuses[p.name] for p in policies if p.name in statuses]
+    failing = bool(invalid or unreachable or any(s.failures for s in ordered))
     if args.json:
         from airflow_retention.cli.render import emit_json
 
-        emit_json({"policies": [s.to_json() for s in ordered]})
+        emit_json(
+            {
+                "policies": [s.to_json() for s in ordered],
+                "unreachable": [{"policy": name, "error": error} for name, error in unreachable.items()],
+                "invalid_policies": [{"policy": e.policy, "field": e.field, "error": str(e)} for e in invalid],
+                "failing": failing,
+            }
+        )
     else:
         from airflow_retention.cli.render import print_status
 
-        print_status(_console(args), ordered)
-    return EXIT_OK
+        print_status(_console(args), ordered, unreachable=unreachable, invalid=[str(e) for e in invalid])
+    return EXIT_FAILING if failing else EXIT_OK
 
 
 def _watch(args: argparse.Namespace, policies: list[Any]) -> int:
@@ -140,6 +176,7 @@ def plan_json(policy: Any, preview: Any, stored: dict[str, Any] | None, date: st
         "run_key": preview.run_key,
         "chunk_rows": preview.chunk_rows,
         "rows_planned": preview.rows_planned,
+        "rows_estimated": preview.rows_estimated,  # true: a sample's estimate (shown "~N"), false: a count
         "chunks_count": len(preview.chunks),
         "sizing": preview.sizing.to_dict() if preview.sizing is not None else None,
         "tenant_groups": preview.tenant_groups,

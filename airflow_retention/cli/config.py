@@ -62,6 +62,12 @@ def policies_path(explicit: str | None) -> Path | None:
 def load_policies(explicit: str | None) -> list[Any]:
     """Every valid policy of the file; the bad ones are reported on stderr (the DAG file shows each as a
     failing DAG of its own) and left out. No file at all is an error."""
+    return load_policy_file(explicit)[0]
+
+
+def load_policy_file(explicit: str | None) -> tuple[list[Any], list[Any]]:
+    """The valid policies of the file and the errors (``PolicyError``) of the bad ones, each also reported
+    on stderr. No file at all, or one that cannot be read, is an error."""
     from airflow_retention.core.errors import PolicyError
     from airflow_retention.core.policy import load_policies_lenient
 
@@ -76,7 +82,7 @@ def load_policies(explicit: str | None) -> list[Any]:
         raise CliError(str(exc)) from None
     for error in errors:
         log.warning("%s: skipped %s", path, error)
-    return policies
+    return policies, errors
 
 
 def select_policies(policies: Sequence[Any], names: Sequence[str]) -> list[Any]:
@@ -208,16 +214,21 @@ def dsn_from_airflow(conn_id: str) -> str | None:
     )
 
 
+# The libpq parameters whose values are secrets: those libpq itself marks "*" (hidden) in PQconndefaults():
+# password, sslpassword (the client key's passphrase) and, from libpq 18, oauth_client_secret. sslkey,
+# sslcert and passfile are paths, not secrets.
+SECRET_DSN_PARAMETERS = frozenset({"password", "sslpassword", "oauth_client_secret"})
+
+
 def redact(dsn: str) -> str:
-    """The DSN without its password, for messages."""
+    """The DSN without its secrets (:data:`SECRET_DSN_PARAMETERS`), for messages."""
     from psycopg2.extensions import parse_dsn
 
     try:
         parts = parse_dsn(dsn)
     except Exception:  # noqa: BLE001 - a DSN libpq cannot parse is shown as nothing but its shape
         return "<unparsable DSN>"
-    parts.pop("password", None)
-    return " ".join(f"{k}={v}" for k, v in parts.items())
+    return " ".join(f"{k}={v}" for k, v in parts.items() if k not in SECRET_DSN_PARAMETERS)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,9 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
 EXIT_ERROR = 2
+# ``status``: a policy is failing (an invalid entry in the policies file, a database that cannot be reached,
+# a target check that fails, or a latest run stopped on an error).
+EXIT_FAILING = 3
 
 
 class CliError(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from rich import box
@@ -88,7 +88,15 @@ def status_table(status: PolicyStatus) -> Table:
     return table
 
 
-def print_status(console: Console, statuses: Sequence[PolicyStatus]) -> None:
+def print_status(
+    console: Console,
+    statuses: Sequence[PolicyStatus],
+    *,
+    unreachable: Mapping[str, str] | None = None,
+    invalid: Sequence[str] = (),
+) -> None:
+    """Each policy's runs and warnings; a failing policy's failures first, in red; then the policies whose
+    database cannot be reached and the invalid entries of the file."""
     for index, status in enumerate(statuses):
         if index:
             console.print()
@@ -102,10 +110,36 @@ def print_status(console: Console, statuses: Sequence[PolicyStatus]) -> None:
             console.print(status_table(status))
         elif status.ledger_version:
             console.print("  no run in the ledger yet")
+        failures = status.failures
+        for failure in failures:
+            console.print(f"  [red]failing:[/] {escape(failure.message)}", soft_wrap=True)
         for warning in status.warnings:
-            console.print(f"  [yellow]warning:[/] {escape(warning.message)}", soft_wrap=True)
+            if warning not in failures:
+                console.print(f"  [yellow]warning:[/] {escape(warning.message)}", soft_wrap=True)
+        if status.covered:
+            first, last = status.covered[0].anchor, status.covered[-1].anchor
+            cover = max(m.covered_by for m in status.covered if m.covered_by is not None)
+            console.print(
+                f"  {len(status.covered)} scheduled day(s) from {first:%Y-%m-%d} to {last:%Y-%m-%d} have no complete"
+                f" run of their own, but the complete run with cutoff {short(cover)} already deleted what they would:"
+                " nothing to backfill",
+                soft_wrap=True,
+            )
         if not status.warnings:
             console.print("  [green]no warnings[/]")
+    for name, error in (unreachable or {}).items():
+        console.print()
+        console.print(f"[bold]{escape(name)}[/]  [red]failing:[/] {escape(error)}", soft_wrap=True)
+    for error in invalid:
+        console.print()
+        console.print(
+            f"[red]invalid policy:[/] {escape(error)} (its DAG fails at once until it is fixed)", soft_wrap=True
+        )
+
+
+def rows_count(rows: int, estimated: bool) -> str:
+    """A row count as the plan shows it: ``~44,390`` for a sample's estimate, ``42,167`` for a count."""
+    return f"~{rows:,}" if estimated else f"{rows:,}"
 
 
 def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, Any] | None, max_rows: int) -> None:
@@ -116,10 +150,11 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
     )
     explicit = policy.chunk_rows  # None: chunks sized by time (the "chunk count" line says how)
     grown = f" (grown from {explicit:,} to fit max chunks)" if explicit and preview.chunk_rows != explicit else ""
-    console.print(
-        f"  {len(preview.chunks)} chunk(s), {preview.rows_planned:,} eligible row(s),"
-        f" {preview.tenant_groups} tenant group(s), chunk_rows {preview.chunk_rows:,}{grown}"
-    )
+    estimated = preview.rows_estimated
+    rows = f"{rows_count(preview.rows_planned, estimated)} eligible row(s){' (estimated)' if estimated else ''}"
+    # Tenant groups exist only for key chunks of a policy with tenants (block chunks take all tenants at once).
+    groups = f", {preview.tenant_groups} tenant group(s)" if policy.tenant_column and preview.tenant_groups else ""
+    console.print(f"  {len(preview.chunks)} chunk(s), {rows}{groups}, chunk_rows {preview.chunk_rows:,}{grown}")
     if preview.null_timestamps:
         console.print(
             f"  [yellow]warning:[/] {preview.null_timestamps:,} row(s) with a NULL timestamp are never deleted"
@@ -138,13 +173,13 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold", show_footer=True)
     table.add_column("#", justify="right", footer="")
     table.add_column("chunk", footer="total")
-    table.add_column("rows planned", justify="right", footer=f"{preview.rows_planned:,}")
+    table.add_column("rows planned", justify="right", footer=rows_count(preview.rows_planned, estimated))
     table.add_column("chunk key (ledger)")
     for chunk in preview.chunks[:max_rows]:
         table.add_row(
             str(chunk.seq),
             escape(chunk.label()),
-            f"{chunk.rows_planned or 0:,}",
+            rows_count(chunk.rows_planned or 0, estimated),
             escape(chunk.key),
         )
     console.print(table)

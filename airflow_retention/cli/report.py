@@ -7,16 +7,15 @@ Nothing here writes. The values are plain dataclasses; :mod:`airflow_retention.c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_retention.cli.timefmt import human_seconds, iso, short
 from airflow_retention.core.policy import DAG_ID_PREFIX
-from airflow_retention.core.verify import MISSED_RUNS_WINDOW
+from airflow_retention.core.verify import MISSED_RUNS_GRACE
 
-# A scheduled date is reported missed once this much time has passed without a complete run.
-MISSED_RUNS_GRACE = timedelta(hours=1)
 # A planned run with no committed batch for this long is reported stuck.
 STUCK_AFTER = timedelta(hours=1)
 
@@ -196,15 +195,44 @@ def database_now(conn: Any) -> datetime:
 
 @dataclass(frozen=True)
 class Alert:
-    """One line of the warnings of a policy; ``kind`` is ``missed_run``, ``stuck``, ``not_verified``,
-    ``chunk_error``, ``dead_letter`` or ``no_ledger``."""
+    """One line of the warnings of a policy; ``kind`` is ``target`` (the table or a column the policy
+    names is missing or wrong: the next plan fails), ``plan_failed`` (the last plan raised, and none
+    succeeded since), ``missed_run``, ``stuck``, ``not_verified``,
+    ``chunk_error``, ``dead_letter`` or ``no_ledger``. ``public`` is the message without connection
+    details (the database's name), for readers who may not see the connection; None: the same."""
 
     kind: str
     message: str
     run_key: str | None = None
+    public: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "run_key": self.run_key, "message": self.message}
+
+    def without_connection_details(self) -> Alert:
+        return self if self.public is None else Alert(self.kind, self.public, self.run_key)
+
+
+# Warnings that mean a policy is failing (``status`` exits 3): its target cannot be purged, or its latest
+# run has stopped on an error. Missed days and a missing ledger are not failures.
+FAILING_KINDS = frozenset({"stuck", "not_verified", "chunk_error", "dead_letter"})
+# Failing whatever the latest run: the target check, and a failed plan no plan has succeeded since.
+ALWAYS_FAILING = frozenset({"target", "plan_failed"})
+
+
+def target_alert(conn: Any, policy: Any) -> Alert | None:
+    """The planner's own checks of the table, its columns and types, read only: what would fail the next
+    plan at once (a connection pointed at a database without the table, a renamed column), or None."""
+    from airflow_retention.core.catalog import inspect_target
+    from airflow_retention.core.errors import PermanentError, TableMissing
+
+    try:
+        inspect_target(conn, policy, quiet=True)
+    except TableMissing as exc:
+        return Alert("target", f"the next plan fails: {exc}", public=f"the next plan fails: {exc.without_database()}")
+    except PermanentError as exc:
+        return Alert("target", f"the next plan fails: {exc}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -213,6 +241,9 @@ class MissedRunInfo:
     cutoff: datetime
     run_key: str
     in_ledger: bool
+    # The cutoff of the later complete run that already deleted what this date's run would; None: a
+    # backfill of this date could still delete rows.
+    covered_by: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -220,6 +251,7 @@ class MissedRunInfo:
             "cutoff": iso(self.cutoff),
             "run_key": self.run_key,
             "in_ledger": self.in_ledger,
+            "covered_by_cutoff": iso(self.covered_by),
         }
 
 
@@ -231,6 +263,29 @@ class PolicyStatus:
     runs: list[RunSummary] = field(default_factory=list)
     missed: list[MissedRunInfo] = field(default_factory=list)
     warnings: list[Alert] = field(default_factory=list)
+    # Scheduled dates without a run of their own that a later complete run covered (no backfill needed).
+    covered: list[MissedRunInfo] = field(default_factory=list)
+
+    @property
+    def latest_run(self) -> RunSummary | None:
+        """The run planned last (a backfill of an old date included); lone runs left out."""
+        planned = [r for r in self.runs if r.kind != "lone"]
+        return max(planned, key=lambda r: r.planned_at, default=None)
+
+    @property
+    def failures(self) -> list[Alert]:
+        """The warnings that make the policy failing: a target check that fails, or the latest run stopped
+        on an error (stuck, not verified, chunk errors, dead letters)."""
+        latest = self.latest_run
+        return [
+            w
+            for w in self.warnings
+            if w.kind in ALWAYS_FAILING
+            or (w.kind in FAILING_KINDS and latest is not None and w.run_key == latest.run_key)
+        ]
+
+    def without_connection_details(self) -> PolicyStatus:
+        return dataclasses.replace(self, warnings=[w.without_connection_details() for w in self.warnings])
 
     def to_json(self) -> dict[str, Any]:
         p = self.policy
@@ -245,7 +300,9 @@ class PolicyStatus:
             "as_of": iso(self.as_of),
             "runs": [r.to_json() for r in self.runs],
             "missed_runs": [m.to_json() for m in self.missed],
+            "covered_runs": [m.to_json() for m in self.covered],
             "warnings": [w.to_json() for w in self.warnings],
+            "failing": [w.to_json() for w in self.failures],
         }
 
 
@@ -256,16 +313,39 @@ def policy_status(conn: Any, policy: Any, *, limit: int, as_of: datetime | None 
     ledger = Ledger(policy.ledger_schema)
     now = database_now(conn)
     as_of = as_of or now
+    target = [a for a in [target_alert(conn, policy)] if a is not None]
     version = ledger.version(conn)
     if version is None:
         warning = Alert(
             "no_ledger", f"no ledger in schema {policy.ledger_schema!r} yet: no run of any policy was planned there"
         )
-        return PolicyStatus(policy, None, as_of, warnings=[warning])
+        return PolicyStatus(policy, None, as_of, warnings=[*target, warning])
     runs = load_runs(conn, ledger, policy.name, limit, now)
-    missed = find_missed(conn, ledger, policy, as_of)
-    warnings = [*missed_warnings(policy, missed), *run_warnings(runs, now), *dead_letter_warnings(conn, ledger, runs)]
-    return PolicyStatus(policy, version, as_of, runs, missed, warnings)
+    missed, covered = find_missed(conn, ledger, policy, as_of)
+    warnings = [
+        *target,
+        *plan_failure_alerts(conn, ledger, policy, runs),
+        *missed_warnings(policy, missed),
+        *run_warnings(runs, now),
+        *dead_letter_warnings(conn, ledger, runs),
+    ]
+    return PolicyStatus(policy, version, as_of, runs, missed, warnings, covered)
+
+
+def plan_failure_alerts(conn: Any, ledger: Any, policy: Any, runs: list[RunSummary]) -> list[Alert]:
+    """The policy's last failed plan, unless a plan succeeded since (that run is in the ledger, or a run
+    was planned after the failure)."""
+    failure = ledger.latest_plan_failure(conn, policy.name)
+    if failure is None or ledger.get_run(conn, failure["run_key"]) is not None:
+        return []
+    if any(run.planned_at > failure["failed_at"] for run in runs):
+        return []
+    tries = f", {failure['attempts']} attempts" if failure["attempts"] > 1 else ""
+    message = (
+        f"run {failure['run_key']}: its plan failed at {short(failure['failed_at'])}{tries}: {failure['error']}"
+        " (clear the plan task once fixed)"
+    )
+    return [Alert("plan_failed", message, failure["run_key"])]
 
 
 def dead_letter_warnings(conn: Any, ledger: Any, runs: list[RunSummary]) -> list[Alert]:
@@ -294,19 +374,20 @@ def dead_letter_warnings(conn: Any, ledger: Any, runs: list[RunSummary]) -> list
     return out
 
 
-def find_missed(conn: Any, ledger: Any, policy: Any, as_of: datetime) -> list[MissedRunInfo]:
-    """Scheduled dates of the last 31 days (from the policy's start date) without a complete run,
-    ignoring the last hour's dates (their run may be starting)."""
-    from airflow_retention.core.verify import missed_runs
+def find_missed(
+    conn: Any, ledger: Any, policy: Any, as_of: datetime
+) -> tuple[list[MissedRunInfo], list[MissedRunInfo]]:
+    """The scheduled dates of the window before ``as_of`` minus the grace hour (their run may be starting)
+    without a complete run (:func:`~airflow_retention.core.verify.missed_days`, as the verify task counts
+    them): those a backfill could still delete rows for, and those a later complete run covered."""
+    from airflow_retention.core.verify import missed_days
 
-    start = max(policy.start_date, as_of - MISSED_RUNS_WINDOW)
-    end = as_of - MISSED_RUNS_GRACE
-    if end < start:
-        return []
-    return [
-        MissedRunInfo(m.anchor, m.cutoff, m.run_key, ledger.get_run(conn, m.run_key) is not None)
-        for m in missed_runs(conn, ledger, policy, start, end)
-    ]
+    days = missed_days(conn, ledger, policy, as_of - MISSED_RUNS_GRACE)
+
+    def info(m: Any) -> MissedRunInfo:
+        return MissedRunInfo(m.anchor, m.cutoff, m.run_key, ledger.get_run(conn, m.run_key) is not None, m.covered_by)
+
+    return [info(m) for m in days.missed], [info(m) for m in days.covered]
 
 
 def missed_warnings(policy: Any, missed: list[MissedRunInfo], shown: int = 5) -> list[Alert]:
@@ -317,7 +398,8 @@ def missed_warnings(policy: Any, missed: list[MissedRunInfo], shown: int = 5) ->
         f" (the {shown} latest)" if len(missed) > shown else ""
     )
     message = (
-        f"{len(missed)} scheduled run(s) without a complete run in the ledger ({len(never)} never planned): "
+        f"{len(missed)} scheduled run(s) without a complete run in the ledger that could still delete rows"
+        f" ({len(never)} never planned): "
         f"{dates}; backfill: {backfill_command(policy, missed)}"
     )
     return [Alert("missed_run", message)]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from airflow_retention.core import dbapi
-from airflow_retention.core.errors import PermanentError
+from airflow_retention.core.errors import PermanentError, TableMissing
 from airflow_retention.core.identifiers import TableName, display_name, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
@@ -105,15 +105,16 @@ def _relation_exists(conn: Any, table: TableName) -> bool:
     return bool(rows[0][0])
 
 
-def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
+def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False) -> TargetInfo:
     """Check the table, its columns, types and indexes against the policy; raise :class:`PermanentError`
-    naming what is wrong, and log a warning for each missing index that will make the purge slow."""
+    naming what is wrong, and log a warning for each missing index that will make the purge slow.
+
+    :param quiet: check only, without the index warnings (the status command and the view probe every
+        policy's target on each look)."""
     where = f"policy {policy.name!r}"
     if not _relation_exists(conn, policy.table):
-        raise PermanentError(
-            f"{where}: table {policy.table} does not exist (or this role cannot see it)"
-            f" in connection {policy.conn_id!r}"
-        )
+        (database,) = dbapi.fetch_all(conn, "SELECT current_database()")[0]
+        raise TableMissing(where, policy.table, policy.conn_id, database)
     from airflow_retention.core.sql import RELATION_KIND
 
     rel = {"rel": policy.table.regclass_literal}
@@ -194,7 +195,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy) -> TargetInfo:
             f" CONCURRENTLY ON {policy.table.sql} ({quote_ident(policy.tenant_column)},"
             f" {quote_ident(str(policy.key_column))})"
         )
-    for message in warnings:
+    for message in warnings if not quiet else ():
         log.warning("%s", message)
 
     if policy.archive_table is not None:

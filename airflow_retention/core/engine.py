@@ -36,7 +36,7 @@ from airflow_retention.core.detach import gone_reason, partition_state, run_part
 from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.isolation import TenantFailure, run_for_tenant, run_isolated
-from airflow_retention.core.ledger import Attempt, ChunkSpec, DeadLetter, Ledger, RunRecord
+from airflow_retention.core.ledger import Attempt, ChunkSpec, DeadLetter, Ledger, RunRecord, half_open
 from airflow_retention.core.pacing import Pacer, Throttler, conflict_backoff
 from airflow_retention.core.planner import check_lone_range, freeze_tenant_cutoffs
 from airflow_retention.core.policy import RetentionPolicy
@@ -377,13 +377,12 @@ def run_chunk(
             result.last_batch_size = size
             result.batch_log.append(report)
             log.info(
-                "chunk %s batch %d: %s%s %s-%s %s %d of up to %d rows in %.0f ms%s",
+                "chunk %s batch %d: %s%s %s %s %d of up to %d rows in %.0f ms%s",
                 chunk.key,
                 result.batches,
                 f"tenant {tenant} " if tenant is not None else "",
                 "blocks" if by_block else "ids",
-                report.lo,
-                report.hi - 1,  # inclusive, as every range is written for people (ChunkSpec.label)
+                half_open(report.lo, report.hi),  # as ChunkSpec.label writes a range
                 "would delete" if policy.dry_run else "deleted",
                 matched if policy.dry_run else deleted,
                 size,

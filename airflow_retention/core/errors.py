@@ -45,3 +45,22 @@ class IncompleteRunError(RetentionError):
         self.missing = missing
         shown = ", ".join(missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
         super().__init__(f"run {run_key}: {len(missing)} expected chunk(s) not complete in the ledger: {shown}")
+
+
+class TableMissing(PermanentError):
+    """The policy's table is not in the database its connection reaches (or the role cannot see it): most
+    often a connection pointed at the wrong database. The message names the database;
+    :meth:`without_database` is the same message for readers who may not see connection details."""
+
+    def __init__(self, where: str, table: object, conn_id: str, database: str) -> None:
+        self.where, self.table, self.conn_id, self.database = where, table, conn_id, database
+        super().__init__(
+            f"{where}: table {table} does not exist in database {database!r} of connection {conn_id!r}"
+            " (or this role cannot see it)"
+        )
+
+    def without_database(self) -> str:
+        return (
+            f"{self.where}: table {self.table} does not exist in the database of connection {self.conn_id!r}"
+            " (or this role cannot see it)"
+        )

@@ -7,6 +7,7 @@ ledger is here. The columns are documented in ``docs/ledger.md``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,7 +18,9 @@ from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.identifiers import TableName, check_ident, display_name, quote_ident
 from airflow_retention.core.policy import RetentionPolicy
 
-SCHEMA_VERSION = 5
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 6
 
 # Each step moves the ledger from version N-1 to N. Steps only ever get appended.
 MIGRATION_LOCK_TIMEOUT_MS = 30_000
@@ -161,6 +164,21 @@ CREATE TABLE IF NOT EXISTS {s}.dead_letters (
     5: """
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS run_date timestamptz;
 UPDATE {s}.chunks SET action_started_at = NULL WHERE state <> 'complete' AND action_started_at IS NOT NULL;
+""",
+    # A plan that failed once the ledger existed (a lock or statement timeout while sampling, a tenant
+    # retention table with a bad value): no run row records it, so `status` and the view read it here.
+    6: """
+CREATE TABLE IF NOT EXISTS {s}.plan_failures (
+    policy             text NOT NULL,
+    run_key            text NOT NULL,
+    cutoff             timestamptz NOT NULL,
+    error              text NOT NULL,
+    failed_by          text,
+    attempts           integer NOT NULL DEFAULT 1,
+    first_at           timestamptz NOT NULL DEFAULT clock_timestamp(),
+    failed_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (policy, run_key)
+);
 """,
 }
 
@@ -459,7 +477,59 @@ class Ledger:
                 " AND coalesce(completed_at, planned_at) < now() - make_interval(days => %(d)s::integer)",
                 {"p": policy, "d": keep_days},
             )
-            return int(cur.rowcount)
+            pruned = int(cur.rowcount)
+        try:
+            with dbapi.transaction(conn) as cur:
+                cur.execute(
+                    f"DELETE FROM {self.s}.plan_failures WHERE policy = %(p)s"
+                    " AND failed_at < now() - make_interval(days => %(d)s::integer)",
+                    {"p": policy, "d": keep_days},
+                )
+        except Exception:
+            log.warning("could not prune the failed plans of policy %s", policy, exc_info=True)
+        return pruned
+
+    # -- plan failures: what a plan that raised leaves behind ------------------------------------
+
+    def record_plan_failure(
+        self, conn: Any, policy: str, run_key: str, cutoff: datetime, error: str, failed_by: str | None
+    ) -> bool:
+        """Record (or count again) a failed plan of ``run_key``, in a transaction of its own, when the
+        ledger exists at a version that has the table; never raises (the plan's own error is the one that
+        matters). Returns whether it was recorded."""
+        try:
+            conn.rollback()  # the failed plan may have left its transaction open
+            version = self.version(conn)
+            if version is None or version < 6:
+                return False
+            with dbapi.transaction(conn) as cur:
+                cur.execute(
+                    f"INSERT INTO {self.s}.plan_failures (policy, run_key, cutoff, error, failed_by)"
+                    " VALUES (%(p)s, %(k)s, %(c)s::timestamptz, left(%(e)s, 2000), %(by)s)"
+                    " ON CONFLICT (policy, run_key) DO UPDATE SET error = EXCLUDED.error,"
+                    " failed_by = EXCLUDED.failed_by, attempts = plan_failures.attempts + 1,"
+                    " failed_at = clock_timestamp()",
+                    {"p": policy, "k": run_key, "c": cutoff, "e": error, "by": failed_by},
+                )
+            return True
+        except Exception:
+            log.warning("could not record the failed plan of %s in the ledger", run_key, exc_info=True)
+            return False
+
+    def latest_plan_failure(self, conn: Any, policy: str) -> dict[str, Any] | None:
+        """The policy's most recent failed plan (run_key, cutoff, error, failed_by, attempts, first_at,
+        failed_at), or None; None too on a ledger older than version 6."""
+        version = self.version(conn)
+        if version is None or version < 6:
+            return None
+        fields = ("run_key", "cutoff", "error", "failed_by", "attempts", "first_at", "failed_at")
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT {', '.join(fields)} FROM {self.s}.plan_failures WHERE policy = %(p)s"
+            " ORDER BY failed_at DESC LIMIT 1",
+            {"p": policy},
+        )
+        return dict(zip(fields, rows[0], strict=True)) if rows else None
 
     def complete_cutoffs(
         self, conn: Any, policy: str, dry_run: bool, since: datetime, until: datetime
@@ -472,6 +542,16 @@ class Ledger:
             {"p": policy, "d": dry_run, "a": since, "b": until},
         )
         return {row[0] for row in rows}
+
+    def latest_complete_cutoff(self, conn: Any, policy: str, dry_run: bool) -> datetime | None:
+        """The latest cutoff of the policy's complete planned runs of the same mode, or None."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT max(cutoff) FROM {self.s}.runs WHERE policy = %(p)s AND state = 'complete' AND dry_run = %(d)s"
+            " AND run_key NOT LIKE '%%#lone'",
+            {"p": policy, "d": dry_run},
+        )
+        return rows[0][0]
 
     # -- chunks, inside the engine's batch transaction --------------------------------------------
 
@@ -795,6 +875,13 @@ class MeasuredRate:
         return self.blocks / self.seconds if self.blocks else None
 
 
+def half_open(lo: int, hi: int) -> str:
+    """A range as people read it everywhere (chunk labels, batch log lines): ``[lo, hi)``, the numbers
+    of the chunk key and of the range parameters, never an inclusive ``lo-(hi-1)`` beside a key that
+    says ``lo-hi``."""
+    return f"[{lo}, {hi})"
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """One chunk of a plan: tenants (None: all rows) and the key range [lo, hi)."""
@@ -826,17 +913,18 @@ class ChunkSpec:
         )
 
     def label(self) -> str:
-        """The one human notation of a chunk's range, with inclusive bounds, in the Airflow UI (the
-        mapped task's label), the logs, the CLI and the docs: "ids 1-25654", "tenant 7 · ids
-        120000-129999", "events_2026_05 · blocks 0-8191", "drop events_2026_04". The chunk key is the
-        ledger's identifier and is never reformatted."""
+        """The one human notation of a chunk's range in the Airflow UI (the mapped task's label), the
+        logs, the CLI and the docs: "ids [1, 25655)", "tenant 7 · ids [120000, 130000)",
+        "events_2026_05 · blocks [0, 8192)", "drop events_2026_04". The range is half-open, first
+        bound in, second out, with the numbers of the chunk key ("blocks:0-8192"), which is the ledger's
+        identifier and is never reformatted, and of ``keys=(lo, hi)`` and ``blocks=(lo, hi)``."""
         leaf = TableName.parse(self.partition).name if self.partition else None
         if self.action is not None:
             return f"{self.action} {display_name(leaf or '?')}"
         if self.key.startswith(BLOCK_CHUNK_PREFIX) or self.partition is not None:
-            blocks = f"blocks {self.lo}-{self.hi - 1}"
+            blocks = f"blocks {half_open(self.lo, self.hi)}"
             return f"{display_name(leaf)} · {blocks}" if leaf else blocks
-        ids = f"ids {self.lo}-{self.hi - 1}"
+        ids = f"ids {half_open(self.lo, self.hi)}"
         if self.tenants is None:
             return ids
         if len(self.tenants) == 1:

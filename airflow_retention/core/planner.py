@@ -40,6 +40,7 @@ from airflow_retention.core.sql import (
     TENANT_CORRELATION,
     block_sample_statement,
     boundary_statement,
+    eligible_exists_statement,
     eligible_spans_statement,
     group_statement,
     null_timestamps_statement,
@@ -74,6 +75,12 @@ BOUNDED_MAX_SPANS = 65_536
 # index, having lost at most half of what the count was to save.
 BOUNDED_TIMEOUT_MS = 10_000
 BOUNDED_READ_SHARE = 0.5
+
+# A run with nothing eligible (a backfill of a day a later run already purged) is proven empty by one
+# EXISTS through an index on the timestamp column, which answers in milliseconds when no row is old
+# enough. A probe still walking past this (many old rows the condition keeps, or index entries of rows
+# deleted since and not yet vacuumed) gives up, and the run is planned as without the probe.
+EMPTY_PROBE_TIMEOUT_MS = 2_000
 
 # Chunks sized by time: without a measured rate of the policy, rates well below the 0.7-1.1 M rows/s
 # and ~65,000 blocks/s one worker reached on a 2-core test machine (docs/performance.md), for slower
@@ -188,6 +195,9 @@ class Plan:
     chunk_rows: int
     reused: bool
     sizing: ChunkSizing | None = None  # None for a stored plan: the estimate was the first planner's
+    # Whether rows_planned comes from a sample or the statistics rather than a count (Preview.rows_estimated);
+    # not known to be a count unless said.
+    rows_estimated: bool = True
 
     def expand_kwargs(self) -> list[dict[str, Any]]:
         """One small dict per chunk, the keyword arguments of a mapped ``RetentionChunkOperator``."""
@@ -392,6 +402,9 @@ class Preview:
     tenant_cutoffs: TenantCutoffs | None = None
     sizing: ChunkSizing | None = None
     run_date: datetime | None = None  # the run's date, when known (recorded in the ledger beside the cutoff)
+    # rows_planned is an estimate (a block sample of part of the table, a partition's statistics), not a
+    # count: key groups, index-bounded block spans, a 100 % sample and a probe of an empty run count exactly.
+    rows_estimated: bool = False
 
 
 def compute_plan(
@@ -480,6 +493,104 @@ def check_lone_range(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> No
         )
 
 
+# Each leaf of the target (the table itself when it is not partitioned) with the name of a btree index
+# the probe of an empty run can walk: valid, not partial, its first column the timestamp column (NULL:
+# none). A foreign leaf has none.
+TIMESTAMP_INDEXES = """
+SELECT l.relid::bigint,
+       (SELECT ic.relname::text
+        FROM pg_catalog.pg_index i
+        JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid
+        JOIN pg_catalog.pg_am am ON am.oid = ic.relam
+        JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+        WHERE i.indrelid = l.relid AND am.amname = 'btree' AND i.indisvalid AND i.indisready AND i.indislive
+          AND i.indpred IS NULL AND a.attname = %(col)s
+        ORDER BY ic.relname LIMIT 1)
+FROM (SELECT t.relid FROM pg_catalog.pg_partition_tree(%(rel)s::regclass) t WHERE t.isleaf
+      UNION ALL
+      SELECT c.oid FROM pg_catalog.pg_class c WHERE c.oid = %(rel)s::regclass AND c.relkind <> 'p') l
+ORDER BY 1
+"""
+
+
+def nothing_eligible(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, *, null_tenants: bool = False
+) -> str | None:
+    """Why the run has nothing to delete, proven by one exact probe through an index on the timestamp
+    column, or None: some row is eligible, the table (or one of its leaves) has no btree index led by
+    the timestamp column, or the probe could not tell within :data:`EMPTY_PROBE_TIMEOUT_MS`.
+
+    The probe is ``EXISTS`` over the predicate of every statement
+    (:func:`~airflow_retention.core.sql.eligibility`): each tenant against its own frozen cutoff,
+    bounded by the latest of them (the index range), and the condition. It says "nothing" only when no
+    row is eligible as planning sees it.
+
+    :param null_tenants: rows without a tenant count as found (the key planner warns about them).
+    """
+    leaves = dbapi.fetch_all(
+        conn, TIMESTAMP_INDEXES, {"rel": policy.table.regclass_literal, "col": policy.timestamp_column}
+    )
+    missing = sum(1 for _, index in leaves if index is None)
+    if not leaves or missing:
+        log.debug(
+            "policy %s: %d of %d leaf relation(s) of %s have no btree index led by %s: no probe for an empty run",
+            policy.name,
+            missing,
+            len(leaves),
+            policy.table,
+            policy.timestamp_column,
+        )
+        return None
+    try:
+        with dbapi.transaction(conn, read_only=True) as cur:
+            dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, EMPTY_PROBE_TIMEOUT_MS)
+            # A sequential scan of a table with nothing eligible reads all of it: what the probe saves.
+            cur.execute("SET LOCAL enable_seqscan = off")
+            cur.execute(eligible_exists_statement(policy, target, null_tenants=null_tenants), cutoffs.params())
+            (found,) = cur.fetchone()
+    except RetryableError as exc:
+        if exc.sqlstate != "57014":
+            raise
+        log.info(
+            "policy %s: the probe for eligible rows of %s through its index on %s took over %d ms: planned as usual",
+            policy.name,
+            policy.table,
+            policy.timestamp_column,
+            EMPTY_PROBE_TIMEOUT_MS,
+        )
+        return None
+    if found:
+        return None
+    before = "before its tenant's cutoff" if cutoffs.overrides else "before the cutoff"
+    if policy.condition:
+        before += " that the condition selects"
+    if len(leaves) == 1 and not target.partitioned:
+        through = f"through index {leaves[0][1]}"
+    else:
+        through = f"through the index on {policy.timestamp_column} of each of its {len(leaves)} leaf partition(s)"
+    reason = f"nothing eligible: no row of {policy.table} {before} {through}"
+    log.info("policy %s: %s: 0 chunks", policy.name, reason)
+    return reason
+
+
+def _empty_preview(
+    conn: Any, policy: RetentionPolicy, cutoffs: TenantCutoffs, reason: str, blocks: int | None, max_chunks: int
+) -> Preview:
+    """The plan of a run proven empty by :func:`nothing_eligible`: no chunk, and why."""
+    sized = size_chunks(policy, 0, blocks, None, max_chunks)
+    sizing = dataclasses.replace(sized, chunks=0, seconds=0.0, reason=f"{reason}: 0 chunks")
+    return Preview(
+        run_key=run_key(policy, cutoffs.cutoff),
+        cutoff=cutoffs.cutoff,
+        chunks=[],
+        rows_planned=0,
+        chunk_rows=sizing.chunk_rows,
+        tenant_groups=0,
+        null_timestamps=warn_null_timestamps(conn, policy),
+        sizing=sizing,
+    )
+
+
 def _compute(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, max_chunks: int
 ) -> Preview:
@@ -495,6 +606,9 @@ def _compute(
         )
     if policy.chunk_by == "block":
         return _plan_blocks(conn, policy, target, cutoffs, max_chunks)
+    empty = nothing_eligible(conn, policy, target, cutoffs, null_tenants=True)
+    if empty is not None:
+        return _empty_preview(conn, policy, cutoffs, empty, None, max_chunks)
     groups = read_groups(conn, policy, target, cutoffs)
     null_timestamps = warn_null_timestamps(conn, policy)
     if len(groups) > 1:
@@ -550,6 +664,9 @@ def _plan_blocks(
     cutoff = cutoffs.cutoff
     (blocks, reltuples, server) = dbapi.fetch_all(conn, BLOCK_COUNT, {"rel": policy.table.regclass_literal})[0]
     _require_tid_ranges(policy, server)
+    empty = nothing_eligible(conn, policy, target, cutoffs)
+    if empty is not None:
+        return _empty_preview(conn, policy, cutoffs, empty, 0, max_chunks)
     blocks = int(blocks)
     percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, policy.table, reltuples)
     estimate = round(sum(n for _, n in sampled) * scale)
@@ -602,6 +719,8 @@ def _plan_blocks(
         tenant_groups=0,
         null_timestamps=warn_null_timestamps(conn, policy),
         sizing=sizing,
+        # A 100 % sample reads every block: a count. No chunk: an empty table, nothing to estimate.
+        rows_estimated=bounded is None and bool(chunks) and percent < 100.0,
     )
 
 
@@ -804,6 +923,12 @@ def _plan_partitioned(
 
     (server,) = dbapi.fetch_all(conn, "SELECT current_setting('server_version_num')::integer")[0]
     _require_tid_ranges(policy, server)
+    # A policy that detaches or drops wholly expired partitions acts on an empty one too: only its survey
+    # finds those, so it is planned as usual.
+    if policy.expired_partitions == "delete" or policy.max_rows_per_tenant:
+        empty = nothing_eligible(conn, policy, target, cutoffs)
+        if empty is not None:
+            return _empty_preview(conn, policy, cutoffs, empty, 0, max_chunks)
     rate = measured_rate(conn, policy, blocks=True)
     survey_ = survey(conn, policy, target, cutoffs, rate.blocks_per_s if rate else None)
     cutoff = cutoffs.cutoff
@@ -862,6 +987,11 @@ def _plan_partitioned(
         null_timestamps=warn_null_timestamps(conn, policy),
         partitions=decisions,
         sizing=sizing,
+        # A count only when every leaf was counted (through an index, or a 100 % sample) and its chunks
+        # add up to that count; a whole partition's rows are its statistics' estimate.
+        rows_estimated=bool(actions)
+        or any(leaf.bounded is None and leaf.scale != 1.0 for leaf in leaves)
+        or sum(c.rows_planned or 0 for c in chunks) != sum(leaf.estimate for leaf in leaves),
     )
 
 
@@ -887,6 +1017,8 @@ def plan_run(
     cutoff = as_utc(cutoff)
     ledger = Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
+    # The target first: a policy pointed at the wrong database fails here and leaves no ledger schema behind.
+    target = target or inspect_target(conn, policy)
     ledger.ensure(conn)
     key = run_key(policy, cutoff)
     stored = ledger.get_run(conn, key)
@@ -918,12 +1050,13 @@ def plan_run(
         assert stored is not None
         return _stored(conn, ledger, key, cutoff, stored)
     log.info(
-        "policy %s: run %s planned %d chunk(s) over %d tenant group(s), %d eligible rows, chunk_rows %d%s",
+        "policy %s: run %s planned %d chunk(s)%s, %s eligible rows, chunk_rows %d%s",
         policy.name,
         key,
         len(chunks),
-        preview.tenant_groups,
-        rows,
+        # Key chunks of a policy with tenants only: block chunks take every tenant's rows in one pass.
+        f" over {preview.tenant_groups} tenant group(s)" if policy.tenant_column and preview.tenant_groups else "",
+        f"~{rows}" if preview.rows_estimated else rows,  # "~": a sample's estimate (Preview.rows_estimated)
         size,
         f"; {preview.sizing.reason}" if preview.sizing else "",
     )
@@ -943,6 +1076,7 @@ def plan_run(
         chunk_rows=size,
         reused=False,
         sizing=preview.sizing,
+        rows_estimated=preview.rows_estimated,
     )
 
 
@@ -956,4 +1090,7 @@ def _stored(conn: Any, ledger: Ledger, key: str, cutoff: datetime, run: dict[str
         rows_planned=int(run["rows_planned"]),
         chunk_rows=int(run["chunk_rows"]),
         reused=True,
+        # The ledger does not record how the rows were counted: key chunks always are (read_groups),
+        # block and partition chunks may hold a sample's estimate.
+        rows_estimated=any(c.key.startswith(BLOCK_CHUNK_PREFIX) or c.partition is not None for c in chunks),
     )

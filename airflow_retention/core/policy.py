@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -83,11 +84,20 @@ class Throttle:
             raise ValueError(f"must be a mapping of throttle settings, got {value!r}")
         unknown = sorted(set(value) - set(_THROTTLE_KEYS))
         if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(_THROTTLE_KEYS)})")
+            raise ValueError(f"unknown key {unknown[0]!r}{unknown_key_hint(unknown[0], _THROTTLE_KEYS)}")
         return cls(**{_THROTTLE_KEYS[k]: v for k, v in value.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in _THROTTLE_KEYS.items()}
+
+
+def unknown_key_hint(key: object, known: Iterable[str]) -> str:
+    """The end of an unknown-key message: the known key closest to a typo (``: did you mean
+    'condition'?``), or, when none is close, every known key (a list of 40 hides the one meant)."""
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    if close:
+        return f": did you mean {close[0]!r}?"
+    return f" (known keys: {', '.join(sorted(known))})"
 
 
 _THROTTLE_KEYS = {
@@ -282,9 +292,9 @@ class RetentionPolicy:
         merged = {**(defaults or {}), **data}
         name = merged.get("name")
         label = name if isinstance(name, str) else None
-        unknown = sorted(set(merged) - _YAML_KEYS)
+        unknown = sorted((set(merged) - _YAML_KEYS), key=str)
         if unknown:
-            raise PolicyError(label, unknown[0], f"unknown key (known keys: {', '.join(sorted(_YAML_KEYS))})")
+            raise PolicyError(label, unknown[0], f"unknown key{unknown_key_hint(unknown[0], _YAML_KEYS)}")
         missing = [k for k in _REQUIRED if k not in merged]
         if missing:
             raise PolicyError(label, missing[0], "is required")
@@ -602,6 +612,32 @@ def load_policies(path: str | Path) -> list[RetentionPolicy]:
     return policies
 
 
+INVALID_POLICIES_DAG_ID = f"{DAG_ID_PREFIX}invalid_policies"
+
+
+def problem_dag_ids(valid_names: Iterable[str], problems: Iterable[PolicyError]) -> dict[str, list[str]]:
+    """Where each invalid policy is shown: its usual DAG id ``retention_<name>``, or, for a problem without a
+    usable name (an unreadable file, an entry that is not a mapping or has no valid name, a second policy of
+    one name), ``retention_invalid_policies``. The DAG file builds a failing DAG under each id; the
+    Retention view shows each problem to the users who may read that DAG.
+
+    :param valid_names: the names of the policies that are valid (their ids are taken).
+    :param problems: the errors of the invalid policies.
+    :returns: the problems' messages by DAG id, in the order given.
+    """
+    taken = {f"{DAG_ID_PREFIX}{name}" for name in valid_names}
+    bad: dict[str, list[str]] = {}
+    for problem in problems:
+        name = problem.policy
+        dag_id = f"{DAG_ID_PREFIX}{name}" if isinstance(name, str) and _NAME.match(name) else None
+        if dag_id is None or dag_id in taken:  # no usable name, or the id of a valid policy of the same name
+            dag_id = INVALID_POLICIES_DAG_ID
+        bad.setdefault(dag_id, []).append(str(problem))
+    if INVALID_POLICIES_DAG_ID in bad and INVALID_POLICIES_DAG_ID in taken:  # a valid policy named invalid_policies
+        bad[f"{INVALID_POLICIES_DAG_ID}_entries"] = bad.pop(INVALID_POLICIES_DAG_ID)
+    return bad
+
+
 def load_policies_lenient(path: str | Path) -> tuple[list[RetentionPolicy], list[PolicyError]]:
     """Load a YAML policies file, keeping the good policies and the errors of the bad ones.
 
@@ -615,11 +651,13 @@ def load_policies_lenient(path: str | Path) -> tuple[list[RetentionPolicy], list
         doc = yaml.safe_load(source.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise PolicyError(None, None, f"cannot read policies file {source}: {exc}") from exc
+    # Unknown keys first: "polices:" is a typo of "policies", not a file without a policies list.
+    unknown = sorted(set(doc) - {"policies", "defaults"}, key=str) if isinstance(doc, dict) else []
+    if unknown:
+        hint = unknown_key_hint(unknown[0], ("policies", "defaults"))
+        raise PolicyError(None, unknown[0], f"unknown top-level key in {source}{hint}")
     if not isinstance(doc, dict) or not isinstance(doc.get("policies"), list):
         raise PolicyError(None, "policies", f"{source} must hold a mapping with a 'policies' list")
-    unknown = set(doc) - {"policies", "defaults"}
-    if unknown:
-        raise PolicyError(None, sorted(unknown)[0], f"unknown top-level key in {source}")
     defaults = doc.get("defaults") or {}
     if not isinstance(defaults, dict):
         raise PolicyError(None, "defaults", "must be a mapping")

@@ -477,9 +477,13 @@ def ineligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, rel
     return f"SELECT EXISTS (SELECT 1 FROM {target_from(policy, relation)} WHERE NOT coalesce((\n  {pred}\n), false))"
 
 
-def eligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName) -> str:
-    """Whether ``relation`` holds an eligible row now (an index walk where there is an index)."""
-    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+def eligible_exists_statement(
+    policy: RetentionPolicy, target: TargetInfo, relation: TableName | None = None, *, null_tenants: bool = False
+) -> str:
+    """Whether ``relation`` (default: the policy's table, every leaf of a partitioned one) holds an
+    eligible row now (an index walk where there is an index). ``null_tenants``: a row without a tenant
+    counts too (the key planner warns about those, so it must see them)."""
+    pred = eligibility(policy, target, tenant_filter=False, key_range=False, null_tenants=null_tenants)
     return f"SELECT EXISTS (SELECT 1 FROM {target_from(policy, relation)} WHERE {pred})"
 
 

@@ -15,8 +15,11 @@ from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import MAX_KEY, MIN_KEY, leftover_statement
 from airflow_retention.core.tenants import TenantCutoffs
 
-# The missed-run report (verify task, CLI) looks back this far; ledger_keep_days keeps at least this much.
+# The missed-run report (verify task, CLI, view) looks back this far; ledger_keep_days keeps at least this much.
 MISSED_RUNS_WINDOW = timedelta(days=31)
+# Seen from now (CLI, view), a scheduled date counts as missed once this much time has passed without a
+# complete run: its run may be starting.
+MISSED_RUNS_GRACE = timedelta(hours=1)
 # Counting what is left stops here: the number is a signal, not an inventory.
 LEFTOVER_CAP = 100_000
 # A run that deleted more rows leaves its cleanup lag to the next run's planning (lag_left_to_next_run);
@@ -250,9 +253,14 @@ def scheduled_anchors(schedule: str | None, start: datetime, end: datetime) -> l
 
 @dataclass(frozen=True)
 class MissedRun:
+    """A scheduled date without a complete run of its own. ``covered_by`` is the cutoff of a later complete
+    run that already deleted everything this date's run would (its cutoff is at or past this one's): such a
+    date needs no backfill. None: its run could still delete rows."""
+
     anchor: datetime
     cutoff: datetime
     run_key: str
+    covered_by: datetime | None = None
 
     def describe(self, dag_id: str) -> str:
         day = self.anchor.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -262,18 +270,62 @@ class MissedRun:
         )
 
 
+@dataclass(frozen=True)
+class MissedDays:
+    """The scheduled dates in ``(since, until)`` without a complete run, split in two: ``missed``, whose run
+    could still delete rows (a backfill is worth it), and ``covered``, whose cutoff a later complete run has
+    already passed (their run would find nothing it may delete). One definition for the verify task's log,
+    ``airflow-retention status`` and the Retention view."""
+
+    since: datetime
+    until: datetime
+    missed: list[MissedRun] = field(default_factory=list)
+    covered: list[MissedRun] = field(default_factory=list)
+
+    @property
+    def latest_cover(self) -> datetime | None:
+        """The cutoff of the complete run that covers the covered dates (the latest complete run)."""
+        return max((m.covered_by for m in self.covered if m.covered_by is not None), default=None)
+
+
 def missed_runs(conn: Any, ledger: Ledger, policy: RetentionPolicy, start: datetime, end: datetime) -> list[MissedRun]:
     """The scheduled dates in ``[start, end]`` whose run is not complete in the ledger: the gaps that a
-    paused DAG or a scheduler outage leaves, until a backfill fills them."""
+    paused DAG or a scheduler outage leaves, until a backfill fills them. Each says whether a later complete
+    run covers it (:attr:`MissedRun.covered_by`)."""
     from airflow_retention.core.cutoff import freeze_cutoff, run_key
 
     expected = {freeze_cutoff(policy, anchor): anchor for anchor in scheduled_anchors(policy.schedule, start, end)}
     if not expected:
         return []
     done = ledger.complete_cutoffs(conn, policy.name, policy.dry_run, min(expected), max(expected))
-    missed = [
-        MissedRun(anchor=anchor, cutoff=cutoff, run_key=run_key(policy, cutoff))
+    # A dry run deletes nothing, so it covers nothing; a policy in dry-run mode has only dry runs.
+    latest = None if policy.dry_run else ledger.latest_complete_cutoff(conn, policy.name, False)
+    return [
+        MissedRun(
+            anchor=anchor,
+            cutoff=cutoff,
+            run_key=run_key(policy, cutoff),
+            covered_by=latest if latest is not None and latest >= cutoff else None,
+        )
         for cutoff, anchor in sorted(expected.items())
         if cutoff not in done
     ]
-    return missed
+
+
+def missed_days(conn: Any, ledger: Ledger, policy: RetentionPolicy, until: datetime) -> MissedDays:
+    """The scheduled dates of the window before ``until`` (``until - MISSED_RUNS_WINDOW``, exclusive, to
+    ``until``, exclusive; never before the policy's start date) without a complete run, split into those a
+    backfill could still delete rows for and those a later run covered. The verify task passes its run's
+    own date; the CLI and the view pass now minus :data:`MISSED_RUNS_GRACE`."""
+    since = until - MISSED_RUNS_WINDOW
+    start = max(policy.start_date, since + timedelta(microseconds=1))
+    end = until - timedelta(microseconds=1)
+    if end < start:
+        return MissedDays(since, until)
+    found = missed_runs(conn, ledger, policy, start, end)
+    return MissedDays(
+        since,
+        until,
+        missed=[m for m in found if m.covered_by is None],
+        covered=[m for m in found if m.covered_by is not None],
+    )

@@ -9,6 +9,7 @@ from typing import Any
 
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 
+from airflow_retention.core.cutoff import run_key as key_of_run
 from airflow_retention.core.engine import BatchReport, ChunkResult, run_chunk
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
 from airflow_retention.core.planner import Plan, plan_run
@@ -52,7 +53,16 @@ class RetentionHook(PostgresHook):
         self, cutoff: datetime, *, max_chunks: int, planned_by: str | None = None, run_date: datetime | None = None
     ) -> Plan:
         with self.open_connection() as conn:
-            return plan_run(conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by, run_date=run_date)
+            try:
+                return plan_run(
+                    conn, self.policy, cutoff, max_chunks=max_chunks, planned_by=planned_by, run_date=run_date
+                )
+            except Exception as exc:
+                # No run row records a failed plan: the ledger's plan_failures does, for `status` and the view.
+                self.ledger.record_plan_failure(
+                    conn, self.policy.name, key_of_run(self.policy, cutoff), cutoff, str(exc), planned_by
+                )
+                raise
 
     def run_chunk(
         self,

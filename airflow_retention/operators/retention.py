@@ -195,11 +195,11 @@ class RetentionPlanOperator(BaseOperator):
         except (PermanentError, PolicyError) as exc:
             raise fail_fast(exc) from exc
         self.log.info(
-            "run %s: %s %d chunk(s), %d row(s) eligible at planning, chunk_rows %d, in %.2f s",
+            "run %s: %s %d chunk(s), %s row(s) eligible at planning, chunk_rows %d, in %.2f s",
             plan.run_key,
             "reusing the stored plan of" if plan.reused else "planned",
             len(plan.chunks),
-            plan.rows_planned,
+            f"~{plan.rows_planned}" if plan.rows_estimated else plan.rows_planned,  # "~": a sample's estimate
             plan.chunk_rows,
             planning_seconds,
         )
@@ -368,7 +368,7 @@ class RetentionChunkOperator(BaseOperator):
 
     @property
     def chunk_label(self) -> str:
-        """The chunk's range as the UI shows it instead of the map index: "tenant 7 · ids 120000-129999"."""
+        """The chunk's range as the UI shows it instead of the map index: "tenant 7 · ids [120000, 130000)"."""
         try:
             return self._chunk().label()
         except AirflowFailException:

@@ -9,6 +9,7 @@ other policies are still shown. Nothing here writes: the view's sessions are rea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -42,24 +43,37 @@ def policies_file() -> Path:
 
 
 @dataclass(frozen=True)
-class PolicySet:
-    """The valid policies of the file and a line for each one left out (or for a file that cannot be read)."""
+class PolicyProblem:
+    """An invalid entry of the policies file (or a file that cannot be read), and the DAG it is shown under:
+    ``retention_<name>``, or ``retention_invalid_policies`` when the entry has no usable name. A user sees
+    it only if they may read that DAG."""
 
-    source: Path
+    dag_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PolicySet:
+    """The valid policies of the file and a problem for each one left out (or for a file that cannot be read)."""
+
+    # None: not shown (the view hides the file's path from a user who may see nothing that came from it).
+    source: Path | None
     policies: list[RetentionPolicy]
-    problems: list[str] = field(default_factory=list)
+    problems: list[PolicyProblem] = field(default_factory=list)
 
 
 def read_policies(path: Path | None = None) -> PolicySet:
     from airflow_retention.core.errors import PolicyError
-    from airflow_retention.core.policy import load_policies_lenient
+    from airflow_retention.core.policy import load_policies_lenient, problem_dag_ids
 
     source = path or policies_file()
     try:
         policies, errors = load_policies_lenient(source)
     except PolicyError as exc:
-        return PolicySet(source, [], [str(exc)])
-    return PolicySet(source, policies, [str(e) for e in errors])
+        policies, errors = [], [exc]
+    by_dag = problem_dag_ids([p.name for p in policies], errors)
+    problems = [PolicyProblem(dag, message) for dag, messages in by_dag.items() for message in messages]
+    return PolicySet(source, policies, problems)
 
 
 def dag_id(policy: RetentionPolicy) -> str:
@@ -73,6 +87,14 @@ class PolicyPanel:
     policy: RetentionPolicy
     status: PolicyStatus | None = None
     error: str | None = None
+    # What only a user who may read the policy's connection sees: the driver's own words (host, port, user,
+    # database), beside ``error``, which names nothing but the connection id.
+    detail: str | None = None
+
+    def without_connection_details(self) -> PolicyPanel:
+        """The panel as a user who may not read the policy's connection sees it."""
+        status = self.status.without_connection_details() if self.status is not None else None
+        return dataclasses.replace(self, status=status, detail=None)
 
     @property
     def dag_id(self) -> str:
@@ -102,9 +124,13 @@ def ledger_session(target: Target) -> Iterator[Any]:
 
 
 def failure_text(exc: BaseException) -> str:
-    """The first line of an error, as the view shows it (a driver's detail lines stay in the log)."""
+    """The first line of an error, as the view shows it (a driver's detail lines stay in the log), with
+    anything shaped like a libpq secret (``password=...``, ``sslpassword=...``) blanked."""
+    import re
+
     lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    text = lines[0] if lines else type(exc).__name__
+    return re.sub(r"\b(password|sslpassword)=\S+", r"\1=***", text)
 
 
 def load_panels(
@@ -128,7 +154,8 @@ def load_panels(
         try:
             groups.setdefault(target_for(policy, dsn), []).append(policy)
         except Exception as exc:  # noqa: BLE001 - an undefined or malformed connection is this policy's problem
-            panels[policy.name] = PolicyPanel(policy, error=failure_text(exc))
+            error = f"connection {policy.conn_id!r} cannot be used"
+            panels[policy.name] = PolicyPanel(policy, error=error, detail=failure_text(exc))
     for target, group in groups.items():
         try:
             with ledger_session(target) as conn:
@@ -136,7 +163,8 @@ def load_panels(
                     panels[policy.name] = _panel(conn, policy, limit, as_of)
         except Exception as exc:  # noqa: BLE001 - the database is unreachable: say so for each of its policies
             for policy in group:
-                panels.setdefault(policy.name, PolicyPanel(policy, error=failure_text(exc)))
+                error = f"the database of connection {policy.conn_id!r} cannot be reached"
+                panels.setdefault(policy.name, PolicyPanel(policy, error=error, detail=failure_text(exc)))
     return [panels[p.name] for p in policies]
 
 

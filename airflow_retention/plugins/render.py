@@ -91,19 +91,54 @@ def runs_table(policy_name: str, runs: Sequence[RunSummary]) -> str:
 
 
 def missed_section(panel: PolicyPanel) -> str:
+    """The scheduled days of the last 30 without a complete run: those whose run could still delete rows,
+    with the backfill that runs them, and apart, those a later complete run covered (nothing to backfill)."""
     status = panel.status
     assert status is not None
+    covered = ""
+    if status.covered:
+        cover = max(m.covered_by for m in status.covered if m.covered_by is not None)
+        first, last = status.covered[0].anchor, status.covered[-1].anchor
+        covered = (
+            f'<p class="muted" data-field="covered" data-value="{len(status.covered)}">{len(status.covered)}'
+            f" scheduled day(s) from {first:%Y-%m-%d} to {last:%Y-%m-%d} have no complete run of their own, but"
+            f" the complete run with cutoff {escape(short(cover))} already deleted what they would: nothing to"
+            " backfill.</p>"
+        )
     if not status.missed:
-        return '<h3>Missed days</h3><p class="muted" data-field="missed">None in the last 31 days.</p>'
+        return (
+            '<h3>Missed days</h3><p class="muted" data-field="missed" data-value="0">None that a backfill would'
+            f" purge in the last 30 days.</p>{covered}"
+        )
+    # A backfill of a policy whose next plan fails would fail the same way: fix that first.
+    blocked = any(f.kind in ("target", "plan_failed") for f in status.failures)
+    run_them = "Once the failure above is fixed, run them with:" if blocked else "Run them with:"
     items = "".join(
         f'<li data-date="{m.anchor:%Y-%m-%d}">{m.anchor:%Y-%m-%d} (cutoff {escape(short(m.cutoff))})'
         f"{'' if m.in_ledger else ' — never planned'}</li>"
         for m in status.missed
     )
     return (
-        f"<h3>Missed days ({len(status.missed)})</h3><ul class='missed'>{items}</ul>"
-        f'<p>Run them with:</p><pre data-field="backfill">{escape(panel.backfill or "")}</pre>'
+        f"<h3>Missed days ({len(status.missed)})</h3>"
+        '<p class="muted">Scheduled days without a complete run whose run could still delete rows.</p>'
+        f'<ul class=\'missed\' data-field="missed" data-value="{len(status.missed)}">{items}</ul>'
+        f'<p>{run_them}</p><pre data-field="backfill">{escape(panel.backfill or "")}</pre>{covered}'
     )
+
+
+def failures_section(panel: PolicyPanel) -> str:
+    """What makes the policy failing, in red, before anything else: its target check, or its latest run
+    stopped on an error."""
+    status = panel.status
+    assert status is not None
+    failures = status.failures
+    if not failures:
+        return ""
+    items = "".join(
+        f'<p class="error" role="alert" data-field="failing" data-kind="{escape(f.kind)}">{escape(f.message)}</p>'
+        for f in failures
+    )
+    return f"<h3>Failing</h3>{items}"
 
 
 def policy_section(panel: PolicyPanel) -> str:
@@ -116,16 +151,19 @@ def policy_section(panel: PolicyPanel) -> str:
         f" <code>{escape(p.ledger_schema)}</code> · DAG <code>{escape(panel.dag_id)}</code></p>"
     )
     if panel.error is not None:
+        detail = f": {escape(panel.detail)}" if panel.detail else ""
         return (
-            f'{head}<p class="error" role="alert" data-field="error">The ledger of {escape(p.name)} cannot be read'
-            f" through connection <code>{escape(p.conn_id)}</code>: {escape(panel.error)}</p></section>"
+            f'{head}<h3>Failing</h3><p class="error" role="alert" data-field="error">The ledger of {escape(p.name)}'
+            f" cannot be read: {escape(panel.error)}{detail}</p></section>"
         )
     status = panel.status
     assert status is not None
+    failures = status.failures
     warnings = "".join(
         f'<p class="warning" data-kind="{escape(w.kind)}">{escape(w.message)}</p>'
         for w in status.warnings
-        if w.kind != "missed_run"  # the missed days have their own section, with the backfill
+        # The missed days have their own section, with the backfill; failures theirs, in red.
+        if w.kind != "missed_run" and w not in failures
     )
     if not status.runs:
         runs = '<p class="muted">No runs in the ledger yet.</p>'
@@ -139,21 +177,21 @@ def policy_section(panel: PolicyPanel) -> str:
             f"{runs_chart(status.runs)}"
             f"<h3>Last {len(shown)} run(s)</h3>{runs_table(p.name, shown)}"
         )
-    return f"{head}{warnings}{runs}{missed_section(panel)}</section>"
+    return f"{head}{failures_section(panel)}{warnings}{runs}{missed_section(panel)}</section>"
 
 
 def overview_page(policy_set: PolicySet, panels: Sequence[PolicyPanel], now: datetime) -> str:
     problems = "".join(
-        f'<p class="warning" data-kind="policy_error">{escape(line)}</p>' for line in policy_set.problems
+        f'<p class="error" role="alert" data-kind="policy_error" data-dag-id="{escape(problem.dag_id)}">'
+        f"Invalid policy (DAG <code>{escape(problem.dag_id)}</code> fails at once until it is fixed):"
+        f" {escape(problem.message)}</p>"
+        for problem in policy_set.problems
     )
     sections = "".join(policy_section(panel) for panel in panels)
     if not panels and not problems:
         sections = '<p class="muted">The policies file holds no policy (or none you may read).</p>'
-    body = (
-        "<h1>Retention</h1>"
-        f'<p class="muted">Policies from <code>{escape(str(policy_set.source))}</code> · as of'
-        f" {escape(short(now))}</p>{problems}{sections}"
-    )
+    source = "" if policy_set.source is None else f"Policies from <code>{escape(str(policy_set.source))}</code> · "
+    body = f'<h1>Retention</h1><p class="muted">{source}as of {escape(short(now))}</p>{problems}{sections}'
     return page("Retention", body)
 
 

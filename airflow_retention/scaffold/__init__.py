@@ -77,8 +77,12 @@ def next_steps(dags_folder: Path, policies: Sequence[Any], date: str) -> list[st
             "A dry run, which writes nothing (the plan of the run of that date):\n"
             f"    airflow-retention --policies {policies_file} plan {first} --date {date}"
         )
+        # `dags list` reads the metadata database, empty until the dag-processor parses the folder; reserialize
+        # parses it now (Airflow 3.0 and later), so the list and the unpause work on a fresh install too.
         steps.append(
-            "Check that Airflow sees the DAGs, then unpause them:\n"
+            "Check that Airflow sees the DAGs (reserialize parses the folder now, without waiting for the"
+            " dag-processor), then unpause them:\n"
+            "    airflow dags reserialize\n"
             f"    airflow dags list | grep retention_\n    airflow dags unpause retention_{first}"
         )
     return steps

@@ -11,16 +11,15 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
 from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
-from airflow_retention.core.cutoff import parse_cutoff
+from airflow_retention.core.cutoff import format_cutoff, parse_cutoff
 from airflow_retention.core.errors import RetryableError
 from airflow_retention.core.inflight import chunks_still_writing
 from airflow_retention.core.ledger import ChunkSpec
 from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
 from airflow_retention.core.verify import (
     LAG_AT_VERIFY_TIMEOUT_MS,
-    MISSED_RUNS_WINDOW,
     lag_left_to_next_run,
-    missed_runs,
+    missed_days,
 )
 from airflow_retention.hooks.retention import RetentionHook
 from airflow_retention.operators.retention import (
@@ -264,25 +263,38 @@ class RetentionCompleteSensor(BaseSensorOperator):
         report_lag(self.log, self.policy, run_key, cutoff, leftovers)
 
     def _report_missed_runs(self, context: Context) -> None:
-        """Say in words which scheduled runs of the last 31 days never completed: days missed while the
-        DAG was paused or the scheduler down, which only a backfill fills."""
+        """Say in words which scheduled runs of the window before this run never completed (days missed
+        while the DAG was paused or the scheduler down): those a backfill could still delete rows for, and,
+        apart, those a later complete run has covered (nothing left for them)."""
         try:
             anchor = anchor_from_context(context)
-            start = max(self.policy.start_date, anchor - MISSED_RUNS_WINDOW)
             with self.hook.open_connection() as conn:
-                missed = missed_runs(conn, self.hook.ledger, self.policy, start, anchor - timedelta(microseconds=1))
+                days = missed_days(conn, self.hook.ledger, self.policy, anchor)
         except Exception:
             self.log.warning("could not check the ledger for missed runs", exc_info=True)
             return
-        if missed:
-            shown = missed[-MISSED_RUNS_SHOWN:]
+        if days.missed:
+            shown = days.missed[-MISSED_RUNS_SHOWN:]
             self.log.warning(
-                "policy %s: %d scheduled run(s) since %s are not complete in the ledger%s:\n%s",
+                "policy %s: %d scheduled run(s) after %s are not complete in the ledger and could still delete"
+                " rows%s:\n%s",
                 self.policy.name,
-                len(missed),
-                start.strftime("%Y-%m-%d"),
-                f" (the {len(shown)} latest)" if len(shown) < len(missed) else "",
+                len(days.missed),
+                days.since.strftime("%Y-%m-%d"),
+                f" (the {len(shown)} latest)" if len(shown) < len(days.missed) else "",
                 "\n".join(m.describe(context["ti"].dag_id) for m in shown),
+            )
+        if days.covered:
+            cover = days.latest_cover
+            self.log.info(
+                "policy %s: %d scheduled run(s) after %s have no complete run of their own, but the complete"
+                " run with cutoff %s already deleted what they would: no backfill needed (%s to %s)",
+                self.policy.name,
+                len(days.covered),
+                days.since.strftime("%Y-%m-%d"),
+                format_cutoff(cover) if cover is not None else "?",
+                days.covered[0].anchor.strftime("%Y-%m-%d"),
+                days.covered[-1].anchor.strftime("%Y-%m-%d"),
             )
 
     def _chunks_in_flight(self, context: Context) -> bool:

@@ -61,7 +61,9 @@ def test_plan_counts_chunks_and_writes_nothing_on_a_fresh_database(
     result = run_cli(capsys, *setup["args"], "plan", "events_purge", "--date", RUN_DATE)
     assert result.code == 0, result.err
     assert f"plan of run {run_key_of(policy)}" in result.out
-    assert f"4 chunk(s), {setup['eligible']:,} eligible row(s)" in result.out
+    # Key chunks count their rows: no "~"; no tenant groups in a policy without tenants.
+    assert f"  4 chunk(s), {setup['eligible']:,} eligible row(s), chunk_rows 300\n" in result.out
+    assert "~" not in result.out and "tenant group" not in result.out
     assert "all:1-" in result.out and "total" in result.out
     assert not schema_exists(admin, policy.ledger_schema)
 
@@ -69,6 +71,7 @@ def test_plan_counts_chunks_and_writes_nothing_on_a_fresh_database(
     assert data["run_key"] == run_key_of(policy)
     assert data["cutoff"] == "2024-06-01T12:00:00+00:00"
     assert data["rows_planned"] == setup["eligible"] == sum(c["rows_planned"] for c in data["chunks"])
+    assert data["rows_estimated"] is False and data["tenant_groups"] == 1  # the JSON keeps its keys
     assert data["chunks_count"] == len(data["chunks"]) == 4
     assert [c["seq"] for c in data["chunks"]] == [0, 1, 2, 3]
     assert data["stored_run"] is None
@@ -96,7 +99,35 @@ def test_plan_lists_each_partition_with_its_action(capsys: Any, admin: Any, sche
     assert actions[f"{schema}.m01"] == ("drop", 1) and actions[f"{schema}.m07"] == ("skip", 0)
     assert actions[f"{schema}.m06"][0] == "delete rows" and actions[f"{schema}.m06"][1] >= 1
     assert sum(1 for c in found["chunks"] if c["action"] == "drop") == len(EXPIRED_MONTHS)
+    # Whole partitions are planned by their statistics: the totals say they are estimates.
+    assert found["rows_estimated"] is True
+    assert f"~{found['rows_planned']:,} eligible row(s) (estimated)" in result.out and "tenant group" not in result.out
     assert not schema_exists(admin, f"{schema}_ledger")
+
+
+def test_plan_marks_a_sample_estimate_and_shows_tenant_groups_only_for_tenant_key_chunks(
+    capsys: Any, admin: Any, schema: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow_retention.core import planner
+
+    table = create_events(admin, schema)
+    fill_events(admin, table, 2000)
+    eligible = len(eligible_ids(admin, table))
+    # A sample of about a quarter of the 2,000 rows: the plan's rows are an estimate, and say so.
+    monkeypatch.setattr(planner, "BLOCK_SAMPLE_ROWS", 500)
+    path = write_policies(tmp_path / "policies.yaml", policy_data(schema, chunk_by="block", tenant_column="tenant_id"))
+    args = ["--policies", str(path), "--dsn", DSN, "plan", "events_purge", "--date", RUN_DATE]
+    found = run_cli(capsys, *args, "--json").json()
+    assert found["rows_estimated"] is True and found["rows_planned"] != eligible  # 1 block in 4: not the count
+    text = run_cli(capsys, *args).out
+    assert f"~{found['rows_planned']:,} eligible row(s) (estimated)," in text
+    assert ["total", f"~{found['rows_planned']:,}"] in [line.split() for line in text.splitlines()]
+    assert "tenant group" not in text  # block chunks take every tenant in one pass
+
+    # Key chunks of a policy with tenants: counted, one group per tenant.
+    write_policies(path, policy_data(schema, tenant_column="tenant_id"))
+    text = run_cli(capsys, *args).out
+    assert f"  1 chunk(s), {eligible:,} eligible row(s), 1 tenant group(s)," in text and "~" not in text
 
 
 def test_plan_adds_no_run_to_an_existing_ledger_and_names_a_stored_one(
@@ -125,10 +156,11 @@ def test_status_verify_and_progress_of_a_partly_purged_run(
     ledger.record_error(conn, plan.run_key, plan.chunks[2].key, "lock timeout (SQLSTATE 55P03): boom", 1000)
 
     status = run_cli(capsys, *setup["args"], "status", "--as-of", "2024-07-01T12:00:00Z")
-    assert status.code == 0, status.err
+    # The latest run has a chunk stopped on an error: the policy is failing (exit 3), the error in red.
+    assert status.code == 3, status.err
     assert "events_purge" in status.out
     assert "1/4" in status.out and "running for" in status.out
-    assert f"chunk {plan.chunks[2].key} (pending): lock timeout (SQLSTATE 55P03): boom" in status.out
+    assert f"failing: run {plan.run_key}: chunk {plan.chunks[2].key} (pending): lock timeout" in status.out
 
     data = run_cli(capsys, *setup["args"], "--json", "status", "events_purge").json()
     (entry,) = data["policies"]
@@ -145,6 +177,7 @@ def test_status_verify_and_progress_of_a_partly_purged_run(
         }
     ]
     assert {w["kind"] for w in entry["warnings"]} >= {"chunk_error"}
+    assert [w["kind"] for w in entry["failing"]] == ["chunk_error"] and data["failing"] is True
 
     verify = run_cli(capsys, *setup["args"], "verify", "events_purge", "--date", RUN_DATE)
     assert verify.code == 1
@@ -256,18 +289,30 @@ def test_missed_runs_and_stuck_runs_are_warned(capsys: Any, setup: dict[str, Any
     )
     result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "status", "--as-of", "2024-07-06T00:30:00Z")
     assert result.code == 0, result.err
-    assert "2 scheduled run(s) without a complete run in the ledger (1 never planned): 2024-07-03, 2024-07-05" in (
-        " ".join(result.out.split())
-    )
-    assert f"run {stuck.run_key}: planned 3 h 12 min ago" in " ".join(result.out.split())
+    text = " ".join(result.out.split())
+    # The 3rd's run never completed, but the 4th's (a later cutoff) did: it deleted everything the 3rd's
+    # would, so the 3rd needs no backfill. The 5th was never run: its run could still delete rows.
+    assert (
+        "1 scheduled run(s) without a complete run in the ledger that could still delete rows (1 never planned):"
+        " 2024-07-05; backfill: airflow backfill create --dag-id retention_events_purge"
+        " --from-date 2024-07-05T00:00:00Z --to-date 2024-07-05T00:00:00Z"
+    ) in text
+    assert (
+        "1 scheduled day(s) from 2024-07-03 to 2024-07-03 have no complete run of their own, but the complete run"
+        " with cutoff 2024-06-04 00:00:00Z already deleted what they would: nothing to backfill"
+    ) in text
+    assert f"run {stuck.run_key}: planned 3 h 12 min ago" in text
 
     data = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "--json", "status", "--as-of", "2024-07-06").json()
     missed = data["policies"][0]["missed_runs"]
-    assert [(m["date"], m["in_ledger"]) for m in missed] == [
-        ("2024-07-03T00:00:00+00:00", True),
-        ("2024-07-05T00:00:00+00:00", False),
+    assert [(m["date"], m["in_ledger"], m["covered_by_cutoff"]) for m in missed] == [
+        ("2024-07-05T00:00:00+00:00", False, None),
     ]
-    assert missed[1]["run_key"] == "events_purge@2024-06-05T00:00:00Z"
+    assert missed[0]["run_key"] == "events_purge@2024-06-05T00:00:00Z"
+    covered = data["policies"][0]["covered_runs"]
+    assert [(m["date"], m["in_ledger"], m["covered_by_cutoff"]) for m in covered] == [
+        ("2024-07-03T00:00:00+00:00", True, "2024-06-04T00:00:00+00:00"),
+    ]
     kinds = [w["kind"] for w in data["policies"][0]["warnings"]]
     assert kinds == ["missed_run", "stuck"]
 
@@ -311,10 +356,17 @@ def test_errors_are_one_line_with_exit_code_2(capsys: Any, setup: dict[str, Any]
     assert unknown.code == 2
     assert unknown.err.strip() == "airflow-retention: error: unknown policy 'nope'; known policies: events_purge"
 
-    bad_db = run_cli(capsys, "--policies", setup["args"][1], "--dsn", "postgresql://nobody@127.0.0.1:1/x", "status")
+    nowhere = "postgresql://nobody@127.0.0.1:1/x"
+    bad_db = run_cli(
+        capsys, "--policies", setup["args"][1], "--dsn", nowhere, "plan", "events_purge", "--date", RUN_DATE
+    )
     assert bad_db.code == 2
     assert bad_db.err.startswith("airflow-retention: error: cannot connect to PostgreSQL (")
     assert len(bad_db.err.strip().splitlines()) == 1 and "Traceback" not in bad_db.err
+    # status reports an unreachable database as that policy failing (exit 3), in one line, and goes on.
+    down = run_cli(capsys, "--policies", setup["args"][1], "--dsn", nowhere, "status")
+    assert down.code == 3 and "Traceback" not in down.out + down.err
+    assert "events_purge  failing: cannot connect to PostgreSQL (" in down.out
 
     no_file = run_cli(capsys, "--policies", str(tmp_path / "missing.yaml"), "--json", "status")
     assert no_file.code == 2 and "cannot read policies file" in no_file.err
@@ -333,9 +385,13 @@ def test_errors_are_one_line_with_exit_code_2(capsys: Any, setup: dict[str, Any]
 def test_unknown_policy_in_a_file_with_a_bad_policy_is_reported(capsys: Any, schema: str, tmp_path: Path) -> None:
     path = write_policies(tmp_path / "p.yaml", policy_data(schema), policy_data(schema, name="broken", retention="x"))
     result = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "status", "broken")
-    assert result.code == 2
+    # Named on the command line, an invalid policy is reported as invalid (exit 3), not as unknown.
+    assert result.code == 3
     assert "policy 'broken'" in result.err and "skipped" in result.err
-    assert "known policies: events_purge" in result.err
+    assert "invalid policy: policy 'broken', field 'retention': cannot read 'x'" in " ".join(result.out.split())
+    assert "events_purge" not in result.out
+    unknown = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "status", "nope")
+    assert unknown.code == 2 and "known policies: events_purge" in unknown.err
 
 
 def test_verify_shows_rows_per_tenant_and_the_frozen_tenant_cutoffs(
@@ -436,3 +492,51 @@ def test_plan_freezes_tenant_cutoffs_from_the_date_given(capsys: Any, admin: Any
     assert [(t["tenant"], t["cutoff"]) for t in found["tenant_cutoffs"]] == [("1", "2026-03-24T00:00:00+00:00")]
     refused = run_cli(capsys, *args, "--cutoff", "2026-02-28T00:00:00Z")
     assert refused.code == 2 and "--date" in refused.err and "does not tell it" in refused.err
+
+
+def test_status_exits_3_for_an_invalid_policy_or_a_missing_table_and_reports_the_others(
+    capsys: Any, setup: dict[str, Any], admin: Any, schema: str
+) -> None:
+    """One healthy policy beside a typo and a policy whose table is not in the database: each failing one
+    is named with its problem, the healthy one is reported as usual, the exit code is 3; no ledger schema
+    is created by looking, and a plan of the missing table names the database and creates none either."""
+    path = Path(setup["args"][1])
+    ghost_ledger = f"{schema}_ghost_ledger"
+    write_policies(
+        path,
+        policy_data(schema, chunk_rows=300),
+        policy_data(schema, name="ghost", table=f"{schema}.ghost", ledger_schema=ghost_ledger),
+        policy_data(schema, name="typo", conditon="true"),
+    )
+    healthy = run_cli(capsys, *setup["args"], "status", "events_purge")
+    assert healthy.code == 0, healthy.out + healthy.err
+
+    result = run_cli(capsys, *setup["args"], "status")
+    assert result.code == 3, result.out + result.err
+    text = " ".join(result.out.split())
+    database = scalar(admin, "SELECT current_database()")
+    assert (
+        f"failing: the next plan fails: policy 'ghost': table {schema}.ghost does not exist in database"
+        f" {database!r} of connection 'retention_target' (or this role cannot see it)"
+    ) in text
+    assert "invalid policy: policy 'typo', field 'conditon': unknown key" in text
+    assert "events_purge" in text and "failing: run" not in text
+
+    data = run_cli(capsys, *setup["args"], "--json", "status").json()
+    assert data["failing"] is True
+    assert [i["policy"] for i in data["invalid_policies"]] == ["typo"]
+    by_name = {p["policy"]: p for p in data["policies"]}
+    assert by_name["events_purge"]["failing"] == []
+    assert [w["kind"] for w in by_name["ghost"]["failing"]] == ["target"]
+    assert not schema_exists(admin, ghost_ledger)
+
+    plan = run_cli(capsys, *setup["args"], "plan", "ghost", "--date", RUN_DATE)
+    assert plan.code == 2 and f"does not exist in database {database!r}" in plan.err
+    conn = psycopg2.connect(DSN)
+    try:
+        ghost = make_policy(schema, name="ghost", table=f"{schema}.ghost", ledger_schema=ghost_ledger)
+        with pytest.raises(Exception, match=f"does not exist in database {database!r}"):
+            plan_run(conn, ghost, CUTOFF)
+    finally:
+        conn.close()
+    assert not schema_exists(admin, ghost_ledger)

@@ -93,3 +93,12 @@ def test_dates_and_durations() -> None:
         "3 h 12 min",
         "2 d 4 h",
     ]
+
+
+def test_redact_keeps_no_secret_of_the_dsn() -> None:
+    from airflow_retention.cli.config import redact
+
+    dsn = "host=db.example port=6432 user=app dbname=shop password=pw-1 sslpassword=pw-2 sslkey=/keys/app.key"
+    kept = {"host": "db.example", "port": "6432", "user": "app", "dbname": "shop", "sslkey": "/keys/app.key"}
+    assert parse_dsn(redact(dsn)) == kept  # sslkey is a path, not a secret
+    assert redact("not a dsn = =") == "<unparsable DSN>"

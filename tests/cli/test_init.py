@@ -1,8 +1,11 @@
 """``airflow-retention init DAGS_FOLDER``: the DAG file and the example policies in a dags folder, never
-overwritten without ``--force``, the next steps printed; then the real ``airflow dags list`` shows the DAGs."""
+overwritten without ``--force``, the next steps printed; then the printed steps, run with the real ``airflow``
+on a fresh install, list the DAGs and unpause one."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import pytest
 import yaml
 
 from airflow_retention.scaffold import DAG_FILE, FILES, POLICIES_FILE, source
-from tests.airflow_cli import airflow_json, listed_dag_ids, newcomer_env
+from tests.airflow_cli import airflow, airflow_json, newcomer_env
 from tests.conftest import REPO, SERVER_DSN
 
 from .helpers import run_cli
@@ -75,13 +78,45 @@ def test_init_into_a_file_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixt
     assert result.code == 2 and "is not a directory" in result.err
 
 
+def printed_commands(out: str, step: int) -> list[str]:
+    """The commands of next step ``step`` of init's output: its indented lines."""
+    text = out.split(f"  {step}. ", 1)[1].split(f"  {step + 1}. ", 1)[0]
+    return [line.strip() for line in text.splitlines()[1:] if line.strip()]
+
+
+def test_the_last_step_makes_airflow_parse_the_folder_before_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `airflow dags list` alone prints nothing until the dag-processor has parsed the new file.
+    result = run_cli(capsys, "init", str(tmp_path))
+    first = example_policy_names()[0]
+    assert printed_commands(result.out, 5) == [
+        "airflow dags reserialize",
+        "airflow dags list | grep retention_",
+        f"airflow dags unpause retention_{first}",
+    ]
+
+
 @pytest.mark.airflow
 def test_after_init_and_a_connection_airflow_lists_the_policies_dags(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dags = tmp_path / "dags"
-    assert run_cli(capsys, "init", str(dags)).code == 0
+    result = run_cli(capsys, "init", str(dags))
+    assert result.code == 0
     env = newcomer_env(tmp_path / "airflow-home", dags, SERVER_DSN)
     bin_dir = Path(sys.executable).parent
-    assert listed_dag_ids(bin_dir, env) == sorted(f"retention_{name}" for name in example_policy_names())
+    names = sorted(f"retention_{name}" for name in example_policy_names())
+    airflow(bin_dir, env, "db", "migrate")
+    # The printed last step as written, on a fresh install with no dag-processor running.
+    shell = {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
+    for command in printed_commands(result.out, 5):
+        done = subprocess.run(["bash", "-c", command], env=shell, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{command}: {done.stdout}\n{done.stderr}"
+        if "dags list" in command:
+            assert sorted(line.split()[0] for line in done.stdout.splitlines()) == names
+    listed = airflow_json(bin_dir, env, "dags", "list")
+    assert sorted(d["dag_id"] for d in listed) == names
+    paused = {d["dag_id"]: str(d["is_paused"]) for d in listed}
+    assert paused == {name: str(name != f"retention_{example_policy_names()[0]}") for name in names}  # one unpaused
     assert airflow_json(bin_dir, env, "dags", "list-import-errors") == []

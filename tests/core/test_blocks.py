@@ -59,7 +59,8 @@ def test_the_plan_covers_every_block_once_and_is_repeatable(schema: str, conn: A
     # The sample's estimate is close to the truth (a 30,000-row sample of 40,000 rows).
     truth = len(eligible_ids(admin, name))
     assert abs(first.rows_planned - truth) <= truth * 0.15
-    assert first.chunks[0].label() == f"blocks 0-{first.chunks[0].hi - 1}"
+    assert first.rows_estimated  # and says so ("~" in the CLI and the logs)
+    assert first.chunks[0].label() == f"blocks [0, {first.chunks[0].hi})"  # the key's numbers
 
 
 def test_a_block_purge_deletes_exactly_the_eligible_rows(schema: str, conn: Any, admin: Any) -> None:
@@ -251,7 +252,9 @@ def test_a_nightly_purge_reads_only_the_blocks_that_hold_eligible_rows(schema: s
     # One chunk's work by time, but two chunks: the blocks between the two runs of rows are in none.
     assert [(c.lo, c.hi) for c in plan.chunks] == sorted((c.lo, c.hi) for c in plan.chunks)
     assert len(plan.chunks) == 2
-    assert plan.rows_planned == len(eligible)  # counted, not sampled
+    assert plan.rows_planned == len(eligible) and not plan.rows_estimated  # counted, not sampled
+    # A retry reuses the stored plan, whose ledger row does not say how its block chunks were counted.
+    assert plan_run(conn, policy, CUTOFF).rows_estimated
     assert plan.sizing is not None and "bounded by an index" in plan.sizing.reason
     covered = {b for c in plan.chunks for b in range(c.lo, c.hi)}
     assert block_of(admin, name, ELIGIBLE) <= covered
@@ -285,6 +288,27 @@ def test_without_an_index_to_use_the_plan_covers_every_block(
     assert all(a.hi == b.lo for a, b in zip(plan.chunks, plan.chunks[1:], strict=False))
     assert plan.chunks[-1].hi == relation_blocks(admin, name)
     assert plan.sizing is not None and "bounded" not in plan.sizing.reason
+    assert plan.rows_estimated  # a sample of part of the table
+
+
+def test_a_sample_of_every_block_is_a_count(schema: str, conn: Any, admin: Any) -> None:
+    # Below BLOCK_SAMPLE_ROWS the sample is 100 %: every block, so rows_planned is the exact count.
+    name = table(admin, schema, count=5_000)
+    plan = compute_plan(conn, block_policy(schema), CUTOFF)
+    assert plan.rows_planned == len(eligible_ids(admin, name)) > 0
+    assert not plan.rows_estimated
+
+
+def test_the_planner_log_marks_a_sample_estimate(
+    schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    table(admin, schema)
+    with caplog.at_level("INFO", logger="airflow_retention.core.planner"):
+        plan = plan_run(conn, block_policy(schema), CUTOFF)
+    assert plan.rows_estimated
+    (line,) = [r.getMessage() for r in caplog.records if " planned " in r.getMessage()]
+    assert f"planned {len(plan.chunks)} chunk(s), ~{plan.rows_planned} eligible rows," in line
+    assert "tenant group" not in line  # a policy without tenants
 
 
 @pytest.mark.usefixtures("bounded_small")
@@ -307,7 +331,8 @@ def test_nothing_eligible_by_the_index_is_a_run_of_no_chunk(schema: str, conn: A
     policy = block_policy(schema)
     plan = plan_run(conn, policy, CUTOFF)
     assert plan.chunks == [] and plan.rows_planned == 0
-    assert plan.sizing is not None and plan.sizing.reason.endswith("nothing eligible: no chunk")
+    # The probe through the timestamp index proves it before any count (tests/core/test_empty_plans.py).
+    assert plan.sizing is not None and plan.sizing.reason.startswith("nothing eligible: no row of")
     run = Ledger(policy.ledger_schema).get_run(admin, plan.run_key)
     assert run is not None and run["state"] == "complete"
     assert scalar(admin, f"SELECT count(*) FROM {name}") == NIGHTLY_ROWS

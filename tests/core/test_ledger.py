@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -16,7 +16,7 @@ from tests.conftest import connect
 
 from .helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar, start_and_join
 
-LEDGER_TABLES = ["chunks", "dead_letters", "ledger_version", "runs", "tenant_counts", "tenant_cutoffs"]
+LEDGER_TABLES = ["chunks", "dead_letters", "ledger_version", "plan_failures", "runs", "tenant_counts", "tenant_cutoffs"]
 
 
 def _tables(admin: Any, schema: str) -> list[str]:
@@ -183,8 +183,8 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     old_run = ledger_run(admin, ledger.schema, "p@v1")
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 5
-    assert ledger.version(conn) == 5
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 6
+    assert ledger.version(conn) == 6
     chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     new_columns = {
         "tenant_pos": 0,
@@ -223,6 +223,30 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     assert [c["chunk_key"] for c in ledger.chunk_rows(conn, "p@v1")] == ["a", "b"]
     assert ledger.ensure(conn) == SCHEMA_VERSION  # and it is not migrated twice
     assert scalar(admin, f"SELECT count(*) FROM {s}.ledger_version") == 1
+
+
+def test_a_failed_plan_is_recorded_counted_and_read_back_and_pruned(schema: str, conn: Any, admin: Any) -> None:
+    """plan_failures (version 6): a failed plan's run key, error and attempts; nothing recorded without a
+    ledger; pruned with the policy's old runs."""
+    ledger = Ledger(f"{schema}_ledger")
+    cutoff = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert not ledger.record_plan_failure(conn, "p", "p@x", cutoff, "boom", "dag/run/-1/try 1")  # no ledger yet
+    assert ledger.version(conn) is None
+    ledger.ensure(conn)
+    assert ledger.latest_plan_failure(conn, "p") is None
+    assert ledger.record_plan_failure(conn, "p", "p@x", cutoff, "boom", "dag/run/-1/try 1")
+    assert ledger.record_plan_failure(conn, "p", "p@x", cutoff, "boom again", "dag/run/-1/try 2")
+    assert ledger.record_plan_failure(conn, "other", "other@x", cutoff, "x" * 5000, None)
+    failure = ledger.latest_plan_failure(conn, "p")
+    assert failure is not None
+    assert (failure["run_key"], failure["error"], failure["attempts"]) == ("p@x", "boom again", 2)
+    assert failure["failed_by"] == "dag/run/-1/try 2" and failure["failed_at"] >= failure["first_at"]
+    other = ledger.latest_plan_failure(conn, "other")
+    assert other is not None and len(other["error"]) == 2000
+    aged = f"UPDATE \"{schema}_ledger\".plan_failures SET failed_at = now() - interval '40 days'"
+    rows(admin, aged + " WHERE policy = 'p'")
+    ledger.prune(conn, "p", 35)
+    assert ledger.latest_plan_failure(conn, "p") is None and ledger.latest_plan_failure(conn, "other") is not None
 
 
 def test_prune_deletes_only_the_policys_runs_last_touched_long_ago(schema: str, conn: Any, admin: Any) -> None:
@@ -296,7 +320,7 @@ def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
     assert read is not None and read["run_date"] is None and read["cutoff"] == CUTOFF
     assert [r["run_key"] for r in ledger.recent_runs(conn, "p")] == ["p@v4"]
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 5
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 6
     # From version 5 the mark means "this chunk's detach is its own": the old unfinished mark is no such
     # proof (a partition a DBA detached since would be dropped), so it is cleared; a finished one stays.
     marks = dict(rows(admin, f"SELECT chunk_key, action_started_at IS NOT NULL FROM {s}.chunks ORDER BY 1"))

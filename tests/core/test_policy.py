@@ -70,6 +70,48 @@ def test_unknown_key_in_defaults_is_refused() -> None:
     assert (info.value.policy, info.value.field) == ("events_purge", "bogus")
 
 
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("conditon", "condition"),
+        ("retension", "retention"),
+        ("lock_timeout_ms", "lock_timeout"),
+        ("chunkrows", "chunk_rows"),
+        ("tennant_column", "tenant_column"),
+        ("shedule", "schedule"),
+    ],
+)
+def test_an_unknown_key_names_the_key_it_is_a_typo_of(key: str, meant: str) -> None:
+    error = refused(key, **{key: 1})
+    assert str(error) == f"policy 'events_purge', field {key!r}: unknown key: did you mean {meant!r}?"
+
+
+def test_an_unknown_key_like_no_known_one_lists_them_all() -> None:
+    message = str(refused("zzz", zzz=1))
+    assert "did you mean" not in message
+    head, listed = message.split(": unknown key (known keys: ")
+    assert head == "policy 'events_purge', field 'zzz'" and listed.endswith(")")
+    keys = listed[:-1].split(", ")
+    assert keys == sorted(keys) and {"condition", "retention", "table", "throttle", "lock_timeout"} <= set(keys)
+    assert len(keys) > 30 and "lock_timeout_ms" not in keys  # the YAML spelling
+
+
+@pytest.mark.parametrize(
+    ("throttle", "message"),
+    [
+        ({"max_lag": "1s"}, "unknown key 'max_lag': did you mean 'max_replica_lag'?"),
+        ({"backof": "1s"}, "unknown key 'backof': did you mean 'backoff'?"),
+        (
+            {"zzz": 1},
+            "unknown key 'zzz' (known keys: backoff, give_up_after, max_lock_waiters, max_replica_lag, probe,"
+            " probe_max)",
+        ),
+    ],
+)
+def test_an_unknown_throttle_key_names_the_key_it_is_a_typo_of(throttle: dict[str, Any], message: str) -> None:
+    assert str(refused("throttle", throttle=throttle)) == f"policy 'events_purge', field 'throttle': {message}"
+
+
 @pytest.mark.parametrize("missing", ["conn_id", "table", "timestamp_column", "retention"])
 def test_missing_required_key_is_refused(missing: str) -> None:
     data = {k: v for k, v in BASE.items() if k != missing}
@@ -374,6 +416,24 @@ def test_malformed_file_is_refused(tmp_path: Path, text: str, field: str | None)
     with pytest.raises(PolicyError) as info:
         load_policies_lenient(_write(tmp_path, text))
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "hint"),
+    [
+        # Not "must hold a 'policies' list": the typo is named first.
+        ("polices:\n  - {name: a}\n", "polices", ": did you mean 'policies'?"),
+        ("policies: []\ndefault: {}\n", "default", ": did you mean 'defaults'?"),
+        ("policies: []\nextra: 1\n", "extra", " (known keys: defaults, policies)"),
+    ],
+)
+def test_an_unknown_top_level_key_names_the_key_it_is_a_typo_of(
+    tmp_path: Path, text: str, field: str, hint: str
+) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(PolicyError) as info:
+        load_policies_lenient(path)
+    assert str(info.value) == f"field {field!r}: unknown top-level key in {path}{hint}"
 
 
 def test_non_mapping_entry_is_reported(tmp_path: Path) -> None:

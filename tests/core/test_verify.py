@@ -119,6 +119,46 @@ def test_missed_runs_are_the_days_without_a_complete_run_in_words(schema: str, c
     assert [m.anchor for m in missed_runs(conn, ledger, policy, days[0], days[4])] == [days[3]]
 
 
+def test_missed_days_split_what_a_backfill_could_purge_from_what_a_later_run_covered(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    """One definition for the verify log, the CLI and the view: the days of the window before ``until``
+    without a complete run; those at or before the latest complete run's cutoff are covered (their run
+    would find nothing it may delete), the others are missed."""
+    from datetime import timedelta
+
+    from airflow_retention.core.cutoff import freeze_cutoff
+    from airflow_retention.core.verify import MISSED_RUNS_WINDOW, missed_days
+
+    table = create_events(admin, schema)
+    fill_events(admin, table, 500)
+    policy = make_policy(schema, retention="1 day", schedule="@daily", start_date="2024-01-01")
+    anchor = datetime(2024, 6, 10, tzinfo=timezone.utc)
+    days = [anchor + timedelta(days=i) for i in range(6)]  # the 10th .. the 15th
+    for ran in (days[0], days[2]):
+        plan = plan_run(conn, policy, freeze_cutoff(policy, ran))
+        for chunk in plan.chunks:
+            run_chunk(conn, policy, plan.cutoff, chunk)
+        verify_and_complete(conn, policy, plan)
+    ledger = Ledger(policy.ledger_schema)
+
+    found = missed_days(conn, ledger, policy, days[5])
+    # Covered: the 11th, and the 25 days of the window before the 10th; each by the 12th's run.
+    assert [m.anchor for m in found.covered][-1:] == [days[1]] and len(found.covered) == 26
+    assert days[0] not in [m.anchor for m in found.covered]
+    assert {m.covered_by for m in found.covered} == {freeze_cutoff(policy, days[2])}
+    assert [m.anchor for m in found.missed] == [days[3], days[4]]  # until itself is left out
+    # The window: 31 days back from until, exclusive at both ends.
+    assert found.since == days[5] - MISSED_RUNS_WINDOW
+    window = [m.anchor for m in found.covered + found.missed]
+    assert min(window) > found.since
+    older = missed_days(conn, ledger, policy, days[0])
+    assert len(older.covered) == 30 and not older.missed  # the 30 days before the first run, all covered by it
+    # A dry-run policy's runs delete nothing: nothing is covered.
+    dry = make_policy(schema, retention="1 day", schedule="@daily", start_date="2024-01-01", dry_run=True)
+    assert not missed_days(conn, ledger, dry, days[5]).covered
+
+
 def verify_and_complete(conn: Any, policy: Any, plan: Any) -> None:
     ledger = Ledger(policy.ledger_schema)
     assert verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks]).ok

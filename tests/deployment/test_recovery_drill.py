@@ -125,7 +125,7 @@ def test_a_worker_killed_halfway_repeats_only_its_chunk_from_its_last_batch(
         "GET", f"/dags/{dag_id}/dagRuns/{run['dag_run_id']}/taskInstances/{dag_id}.purge_chunk/{victim['seq']}"
     )
     assert (ti["try_number"], ti["state"]) == (2, "success")
-    label = f"tenant {victim['tenants'][0]} · ids {victim['lo']}-{victim['hi'] - 1} · {ROWS_PER_CHUNK:,} deleted"
+    label = f"tenant {victim['tenants'][0]} · ids [{victim['lo']}, {victim['hi']}) · {ROWS_PER_CHUNK:,} deleted"
     assert ti["rendered_map_index"].startswith(label), ti["rendered_map_index"]  # + "(N on this try)"
 
     # Redelivery: a completed chunk's task instance cleared in the UI (here through the same REST call)

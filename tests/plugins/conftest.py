@@ -1,9 +1,19 @@
-"""The Retention view's browser test: a target database with a ledger of real runs, and an Airflow
-deployment of just the api-server (the view needs no scheduler) whose policies file also names a policy
-whose connection points nowhere."""
+"""The Retention view's browser and HTTP tests: a target database with a ledger of real runs, and an Airflow
+deployment of just the api-server (the view needs no scheduler) whose policies file (:func:`view_policies`)
+also names a policy whose connection points nowhere, one whose table is not in the database, one whose
+last plan failed, and two invalid policies; events_purge's run planned last stopped on a chunk error.
+
+Its auth manager is :mod:`.limited_auth`: ``admin`` may read everything; ``limited`` (a viewer) may read
+the DAGs of :data:`LIMITED_DAGS` and no connection; ``outsider`` (a viewer) may read no DAG. The DAGs are
+written to the metadata database by ``airflow dags reserialize`` from the project's DAG file, since the
+auth manager's DAG filter knows only the DAGs Airflow has parsed.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -13,14 +23,40 @@ import psycopg2
 import pytest
 import yaml
 
+from airflow_retention.core.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.ledger import Ledger
 from airflow_retention.core.policy import RetentionPolicy
-from tests.conftest import DSN, throwaway_database
+from tests.conftest import DSN, REPO, throwaway_database
 from tests.deployment.harness import Deployment
 
 from .helpers import Seeded, seed_runs, view_policy_data
+from .limited_auth import GRANTS_ENV
 
 SCHEMA = "shop"
-BROKEN_CONN = "postgres://postgres@127.0.0.1:1/nowhere"  # nothing listens on port 1
+# Nothing listens on port 1; the user and database names are there to be looked for in the pages.
+BROKEN_USER, BROKEN_DB = "view_broken_user", "view_broken_db"
+BROKEN_CONN = f"postgres://{BROKEN_USER}@127.0.0.1:1/{BROKEN_DB}"
+USERS = ("admin", "limited", "outsider")
+# The DAGs ``limited`` may read: the unreachable policy's, the missing table's, the failed plan's and one
+# invalid policy's; not events_purge's (the ledger's runs), not the invalid policies' DAG of the entries
+# without a name.
+LIMITED_DAGS = ("retention_unreachable", "retention_missing_table", "retention_stalled", "retention_bad_retention")
+# The failed plan the ledger records for the policy ``stalled`` (a plan that raised once the ledger existed).
+PLAN_ERROR = "canceling statement due to statement timeout (SQLSTATE 57014)"
+
+
+def view_policies(anchor: datetime) -> list[dict[str, Any]]:
+    """The deployment's policies file: add entries here (a DAG id per entry: ``retention_<name>``)."""
+    unnamed = {k: v for k, v in view_policy_data(SCHEMA, "retention_target", anchor).items() if k != "name"}
+    return [
+        view_policy_data(SCHEMA, "retention_target", anchor),  # events_purge: the seeded runs
+        view_policy_data(SCHEMA, "retention_broken", anchor, name="unreachable"),
+        # The connection reaches a database without the table: the next plan fails, the view says so.
+        {**view_policy_data(SCHEMA, "retention_target", anchor, name="missing_table"), "table": f"{SCHEMA}.gone"},
+        view_policy_data(SCHEMA, "retention_target", anchor, name="stalled"),  # its last plan failed
+        {**view_policy_data(SCHEMA, "retention_target", anchor, name="bad_retention"), "retention": "soon-ish"},
+        unnamed,  # shown under retention_invalid_policies
+    ]
 
 
 class ApiServerOnly(Deployment):
@@ -37,6 +73,22 @@ class ApiServerOnly(Deployment):
             return (health.get("metadatabase") or {}).get("status") == "healthy"
 
         self.wait_until(up, timeout, "the api-server")
+
+    def password(self, username: str) -> str:
+        data = json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())
+        return str(data[username])
+
+    def token_for(self, username: str) -> str:
+        """A REST API token of ``username`` (``POST /auth/token``, as an API client gets one)."""
+        import requests
+
+        response = requests.post(
+            f"{self.base_url}/auth/token",
+            json={"username": username, "password": self.password(username)},
+            timeout=30,
+        )
+        response.raise_for_status()
+        return str(response.json()["access_token"])
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +115,18 @@ def view_seeded(view_target: str, view_admin: Any) -> Seeded:
         cur.execute(f'CREATE SCHEMA "{SCHEMA}"')
     conn = psycopg2.connect(view_target)
     try:
-        return seed_runs(view_admin, conn, SCHEMA, policy, first)
+        seeded = seed_runs(view_admin, conn, SCHEMA, policy, first)
+        # The run stopped on a chunk error becomes the one planned last: events_purge is failing.
+        with view_admin.cursor() as cur:
+            cur.execute(
+                f'UPDATE "{policy.ledger_schema}".runs SET planned_at = now() WHERE run_key = %s', (seeded.partial,)
+            )
+        stalled = RetentionPolicy.from_dict(view_policy_data(SCHEMA, "retention_target", first, name="stalled"))
+        key = run_key(stalled, freeze_cutoff(stalled, today))
+        by = f"retention_stalled/scheduled__{today:%Y-%m-%dT%H:%M:%S}+00:00/-1/try 3"
+        cutoff = freeze_cutoff(stalled, today)
+        assert Ledger(stalled.ledger_schema).record_plan_failure(conn, "stalled", key, cutoff, PLAN_ERROR, by)
+        return seeded
     finally:
         conn.close()
 
@@ -73,14 +136,23 @@ def view_deployment(
     view_target: str, view_seeded: Seeded, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
     folder = tmp_path_factory.mktemp("view")
-    policy = view_policy_data(SCHEMA, "retention_target", view_seeded.anchors[0])
-    broken = view_policy_data(SCHEMA, "retention_broken", view_seeded.anchors[0], name="unreachable")
     policies = folder / "policies.yaml"
-    policies.write_text(yaml.safe_dump({"policies": [policy, broken]}, sort_keys=False))
-    dags = folder / "dags"  # the api-server parses no DAG: an empty dags folder will do
+    policies.write_text(yaml.safe_dump({"policies": view_policies(view_seeded.anchors[0])}, sort_keys=False))
+    dags = folder / "dags"  # the project's DAG file alone, parsed once by `airflow dags reserialize` below
     dags.mkdir()
-    env = {"AIRFLOW_RETENTION_POLICIES": str(policies), "AIRFLOW_CONN_RETENTION_BROKEN": BROKEN_CONN}
+    shutil.copy(REPO / "dags" / "retention_dags.py", dags)
+    env = {
+        "AIRFLOW_RETENTION_POLICIES": str(policies),
+        "AIRFLOW_CONN_RETENTION_BROKEN": BROKEN_CONN,
+        "AIRFLOW__CORE__AUTH_MANAGER": "tests.plugins.limited_auth.LimitedAuthManager",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,limited:viewer,outsider:viewer",
+        GRANTS_ENV: json.dumps({"limited": LIMITED_DAGS, "outsider": []}),
+        # The api-server imports the auth manager from the tests; the `airflow` script does not put the
+        # working directory on sys.path.
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    }
     with ApiServerOnly(
         server_dsn=DSN, target_dsn=view_target, dags_folder=Path(dags), env=env, components=("api-server",)
     ) as running:
+        running.airflow("dags", "reserialize")
         yield running

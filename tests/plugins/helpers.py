@@ -9,6 +9,7 @@ lag, a chunk error, and two missed days (the second anchor's and the fifth's).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from html.parser import HTMLParser
@@ -151,3 +152,27 @@ class ViewReader(HTMLParser):
             self._alert = False
         if tag == "tr":
             self._row = None
+
+
+def shown_policies(html: str) -> set[str]:
+    """The policies a page shows a section of."""
+    return set(re.findall(r'<section [^>]*data-policy="([^"]+)"', html))
+
+
+def shown_problems(html: str) -> set[str]:
+    """The DAG ids of the policies-file problems a page shows."""
+    return set(re.findall(r'data-kind="policy_error" data-dag-id="([^"]+)"', html))
+
+
+def connection_details(dsn: str) -> list[str]:
+    """What a page must not show of the connection ``dsn`` to a user who may not read it: its host, port, user
+    and database, as the driver and ``redact`` write them."""
+    from psycopg2.extensions import parse_dsn
+
+    parts = parse_dsn(dsn)
+    port = parts.get("port", "5432")
+    details = [parts.get("host", "/var/run/postgresql"), f"port {port}", f"port={port}"]
+    for key in ("user", "dbname"):
+        if key in parts:  # as the driver quotes it, and as the DSN writes it
+            details += [f'"{parts[key]}"', f"{key}={parts[key]}"]
+    return details

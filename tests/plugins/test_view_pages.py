@@ -68,14 +68,20 @@ def test_overview_shows_the_ledgers_numbers(seeded: Seeded, admin: Any, schema: 
     assert view.lag_points[seeded.partial] > 0  # rows were left eligible when it was measured
     assert sum(view.bars.values()) > 0
 
-    # The second and the fifth day are missed; the backfill covers both, first to last.
-    assert [m.anchor for m in panel.status.missed] == [seeded.anchors[1], seeded.anchors[4]]
+    # The second day's run never completed, but the fourth's (a later cutoff) did: nothing left for the
+    # second's, it is covered. The fifth's was never run: its run could still delete rows, it is missed.
+    assert [m.anchor for m in panel.status.missed] == [seeded.anchors[4]]
+    assert [m.anchor for m in panel.status.covered] == [seeded.anchors[1]]
     (backfill,) = view.texts["backfill"]
     assert backfill == (
         "airflow backfill create --dag-id retention_events_purge"
-        " --from-date 2024-07-02T00:00:00Z --to-date 2024-07-05T00:00:00Z"
+        " --from-date 2024-07-05T00:00:00Z --to-date 2024-07-05T00:00:00Z"
     )
+    (covered,) = view.texts["covered"]
+    assert covered.startswith("1 scheduled day(s) from 2024-07-02 to 2024-07-02 have no complete run of their own")
+    # The second day's chunk error is a warning: the latest run (the fourth's) completed, nothing is failing.
     assert f"chunk {seeded.failing_chunk} (pending): {CHUNK_ERROR}" in html
+    assert "failing" not in view.texts and not view.alerts
 
 
 def test_a_broken_connection_is_a_message_and_the_other_policies_still_show(seeded: Seeded, schema: str) -> None:
@@ -83,15 +89,28 @@ def test_a_broken_connection_is_a_message_and_the_other_policies_still_show(seed
     undefined = RetentionPolicy.from_dict(view_policy_data(schema, "view_undefined", FIRST_ANCHOR, name="nowhere"))
     panels = load_panels([broken, seeded.policy, undefined], as_of=AS_OF)
     assert [p.policy.name for p in panels] == ["unreachable", "events_purge", "nowhere"]
-    assert panels[0].status is None and "cannot connect to PostgreSQL" in (panels[0].error or "")
+    assert panels[0].status is None and panels[0].error == "the database of connection 'view_broken' cannot be reached"
+    assert "cannot connect to PostgreSQL" in (panels[0].detail or "")
     assert panels[1].error is None and panels[1].status is not None and len(panels[1].status.runs) == 4
-    assert panels[2].status is None and "connection 'view_undefined' is not defined" in (panels[2].error or "")
+    assert panels[2].status is None and "connection 'view_undefined' is not defined" in (panels[2].detail or "")
 
     view = ViewReader(overview_page(PolicySet(SOURCE, [p.policy for p in panels]), panels, AS_OF))
     assert len(view.alerts) == 2
-    assert view.alerts[0].startswith("The ledger of unreachable cannot be read through connection view_broken:")
+    assert view.alerts[0].startswith(
+        "The ledger of unreachable cannot be read: the database of connection 'view_broken' cannot be reached:"
+        " cannot connect to PostgreSQL ("
+    )
     assert "127.0.0.1" in view.alerts[0] and "password" not in view.alerts[0]
     assert len(view.rows) == 4  # the reachable policy's runs
+
+    # A reader who may not read the connections sees that it failed, and which connection, nothing more.
+    hidden = [p.without_connection_details() for p in panels]
+    page = overview_page(PolicySet(SOURCE, [p.policy for p in panels]), hidden, AS_OF)
+    alerts = ViewReader(page).alerts
+    assert alerts[0] == (
+        "The ledger of unreachable cannot be read: the database of connection 'view_broken' cannot be reached"
+    )
+    assert "127.0.0.1" not in page and "dbname" not in page and "port" not in page
 
 
 def test_a_ledger_that_cannot_be_read_is_a_message(seeded: Seeded, schema: str, admin: Any) -> None:
@@ -151,3 +170,53 @@ def test_the_views_sessions_cannot_write(seeded: Seeded) -> None:
         with conn.cursor() as cur:
             cur.execute("SHOW statement_timeout")
             assert cur.fetchone()[0] == "15s"
+
+
+def test_a_missing_table_a_failing_latest_run_and_an_invalid_policy_are_shown_failing(
+    seeded: Seeded, schema: str, admin: Any
+) -> None:
+    """What the operator of the wrong-database report saw as "No runs in the ledger yet": the view now
+    says in red that the next plan fails and why (naming the database only to connection readers); a
+    latest run stopped on a chunk error is failing; an invalid entry of the file is shown under its DAG."""
+    from airflow_retention.core.errors import PolicyError
+    from airflow_retention.plugins.data import PolicyProblem
+
+    ghost = RetentionPolicy.from_dict(
+        {
+            **view_policy_data(schema, "view_ok", FIRST_ANCHOR, name="ghost"),
+            "table": f"{schema}.ghost",
+            "ledger_schema": f"{schema}_ghost",
+        }
+    )
+    # The seeded run stopped on a chunk error becomes the one planned last (a backfill of its day, say).
+    with admin.cursor() as cur:
+        cur.execute(
+            f'UPDATE "{seeded.policy.ledger_schema}".runs SET planned_at = now() WHERE run_key = %s', (seeded.partial,)
+        )
+    panels = load_panels([ghost, seeded.policy], as_of=AS_OF)
+    database = panels[1].status and admin.info.dbname
+    problem = PolicyProblem("retention_typo", str(PolicyError("typo", "conditon", "unknown key")))
+    page = overview_page(PolicySet(SOURCE, [ghost, seeded.policy], [problem]), panels, AS_OF)
+    view = ViewReader(page)
+    assert view.texts["failing"] == [
+        f"the next plan fails: policy 'ghost': table {schema}.ghost does not exist in database {database!r} of"
+        " connection 'view_ok' (or this role cannot see it)",
+        f"run {seeded.partial}: chunk {seeded.failing_chunk} (pending): {CHUNK_ERROR}",
+    ]
+    assert (
+        "Invalid policy (DAG retention_typo fails at once until it is fixed): policy 'typo', field 'conditon':"
+        " unknown key"
+    ) in view.alerts
+
+    hidden = overview_page(
+        PolicySet(SOURCE, [ghost, seeded.policy]), [p.without_connection_details() for p in panels], AS_OF
+    )
+    assert ViewReader(hidden).texts["failing"][0] == (
+        f"the next plan fails: policy 'ghost': table {schema}.ghost does not exist in the database of connection"
+        " 'view_ok' (or this role cannot see it)"
+    )
+    assert repr(database) not in hidden
+    # Looking created nothing: no ledger schema in the database without the table's policy.
+    with admin.cursor() as cur:
+        cur.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (f"{schema}_ghost",))
+        assert cur.fetchone()[0] == 0

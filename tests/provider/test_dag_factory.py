@@ -68,8 +68,8 @@ def test_chunk_label_reads_well() -> None:
     from airflow_retention.operators.retention import RetentionChunkOperator
 
     op = RetentionChunkOperator(task_id="c", policy=POLICY, keys=(120000, 130000), tenants=[7])
-    assert op.chunk_label == "tenant 7 · ids 120000-129999"
-    assert RetentionChunkOperator(task_id="d", policy=POLICY, keys=(1, 25655)).chunk_label == "ids 1-25654"
+    assert op.chunk_label == "tenant 7 · ids [120000, 130000)"
+    assert RetentionChunkOperator(task_id="d", policy=POLICY, keys=(1, 25655)).chunk_label == "ids [1, 25655)"
 
 
 def test_the_label_template_shows_the_result_once_known_else_the_range() -> None:
@@ -83,9 +83,9 @@ def test_the_label_template_shows_the_result_once_known_else_the_range() -> None
         op = RetentionChunkOperator(task_id="c", policy=POLICY, blocks=(0, 8192))
     template = dag.get_template_env().from_string(CHUNK_LABEL_TEMPLATE)
     assert op.map_index_template == CHUNK_LABEL_TEMPLATE
-    assert template.render({"task": op}) == "blocks 0-8191"  # before execute, or after a failure
-    context = {"task": op, "chunk_label": "blocks 0-8191 · 12,067 deleted"}  # what execute leaves
-    assert template.render(context) == "blocks 0-8191 · 12,067 deleted"
+    assert template.render({"task": op}) == "blocks [0, 8192)"  # before execute, or after a failure
+    context = {"task": op, "chunk_label": "blocks [0, 8192) · 12,067 deleted"}  # what execute leaves
+    assert template.render(context) == "blocks [0, 8192) · 12,067 deleted"
 
 
 def test_a_chunks_result_in_a_few_words() -> None:

@@ -88,8 +88,8 @@ def test_bare_lo_and_hi_are_refused_for_a_lone_chunk() -> None:
     assert "keys=(lo, hi)" in message and "blocks=(lo, hi)" in message and "'block'" in message
     # Planned chunks keep the planner's lo/hi; a lone one says which range it means.
     assert RetentionChunkOperator(task_id="mapped", policy=policy, lo=0, hi=5, from_plan=True).lo == 0
-    assert RetentionChunkOperator(task_id="k", policy=policy, keys=(10_000, 30_000)).chunk_label == "ids 10000-29999"
-    assert RetentionChunkOperator(task_id="b", policy=policy, blocks=(0, 8)).chunk_label == "blocks 0-7"
+    assert RetentionChunkOperator(task_id="k", policy=policy, keys=(10_000, 30_000)).chunk_label == "ids [10000, 30000)"
+    assert RetentionChunkOperator(task_id="b", policy=policy, blocks=(0, 8)).chunk_label == "blocks [0, 8)"
     with pytest.raises(ValueError, match="has none"):
         blockish = RetentionPolicy(name="q", conn_id="c", table="t", timestamp_column="ts", retention="30 days")
         RetentionChunkOperator(task_id="k", policy=blockish, keys=(0, 10))

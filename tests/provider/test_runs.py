@@ -395,6 +395,25 @@ def test_a_runs_conf_never_reaches_sql(target: Any) -> None:
     assert query(target, "SELECT count(*) FROM airflow_t.orders WHERE status = 'open'")[0][0] > 0
 
 
+def test_a_failed_plan_is_in_the_ledger_and_status_calls_the_policy_failing(target: Any) -> None:
+    """A plan that fails once the ledger exists (here: a run date whose cutoff is in the future) leaves no
+    run row; the hook records it in plan_failures, and `status` (the view's numbers too) says the policy
+    is failing, with the plan's own message."""
+    from airflow_retention.cli.report import policy_status
+
+    policy = next(p for p in load_policies(TEST_POLICIES) if p.name == "t_audit_dry")
+    dag_run = load_dag("retention_t_audit_dry").test(logical_date=utc("2999-01-01"))
+    assert dag_run.state == "failed"
+    key = run_key(policy, freeze_cutoff(policy, utc("2999-01-01")))
+    failure = Ledger(policy.ledger_schema).latest_plan_failure(target, policy.name)
+    assert failure is not None and failure["run_key"] == key
+    assert "in the future" in failure["error"] and failure["failed_by"].startswith("retention_t_audit_dry/")
+    status = policy_status(target, policy, limit=5)
+    (failing,) = status.failures
+    assert failing.kind == "plan_failed" and failing.run_key == key
+    assert f"run {key}: its plan failed at" in failing.message and "in the future" in failing.message
+
+
 def test_a_problem_no_retry_can_fix_fails_at_once_and_deletes_nothing(target: Any) -> None:
     rows_before = query(target, "SELECT count(*) FROM airflow_t.orders")[0][0]
     started = time.monotonic()
