@@ -1,8 +1,8 @@
 """Backfill benchmark: one nightly run against thirty backfilled days that have nothing left to delete,
 measured side by side in one run, with the planner's probe for an empty run and without it.
 
-    python benchmarks/backfill_benchmark.py [--rows N] [--backfills 30] [--stale-stats] [--dsn DSN]
-                                            [--keep] [--json out.json]
+    python benchmarks/backfill_benchmark.py [--rows N] [--backfills 30] [--stale-stats] [--no-condition]
+                                            [--dsn DSN] [--keep] [--json out.json]
 
 Builds ``bench.events`` with N rows (the purge benchmark's shape: 100 days of rows, about 100 bytes of
 payload, every 17th row ``open`` and kept by the condition, a primary key, an index on ``created_at``
@@ -20,7 +20,8 @@ For each: seconds, chunks, rows deleted, and the table's heap and index pages to
 reads from ``pg_statio_user_tables``). ``--stale-stats`` leaves out the ANALYZE after the earlier runs'
 delete (and turns autovacuum off on the table): the statistics still show the deleted rows, the state
 of a table in the hours after a large purge. The database ``retention_backfill_bench`` is created and
-dropped at the end (``--keep`` keeps it).
+dropped at the end (``--keep`` keeps it). ``--no-condition``: a policy without a condition, so that no
+row before the cutoff is kept (the earlier runs deleted them all): the probe's best case.
 """
 
 from __future__ import annotations
@@ -60,15 +61,16 @@ BUILD_SQL = (
     "CREATE INDEX events_created_at_idx ON bench.events (created_at)",
     "CREATE INDEX ON bench.events (tenant_id, id)",
     # What the earlier nightly runs left: nothing eligible before the day before the cutoff.
-    "DELETE FROM bench.events WHERE created_at < %(cutoff)s::timestamptz - interval '1 day' AND status <> 'open'",
+    "DELETE FROM bench.events WHERE created_at < %(cutoff)s::timestamptz - interval '1 day' AND {eligible}",
 )
+CONDITION = "status <> 'open'"
 PAGES = (
     "SELECT coalesce(heap_blks_read, 0) + coalesce(heap_blks_hit, 0), coalesce(idx_blks_read, 0)"
     " + coalesce(idx_blks_hit, 0) FROM pg_statio_user_tables WHERE relid = 'bench.events'::regclass"
 )
 
 
-def bench_policy(name: str) -> RetentionPolicy:
+def bench_policy(name: str, condition: str | None = CONDITION) -> RetentionPolicy:
     """The purge benchmark's policy: one day of retention, a condition, block chunks (the default)."""
     return RetentionPolicy(
         name=name,
@@ -77,7 +79,7 @@ def bench_policy(name: str) -> RetentionPolicy:
         key_column="id",
         timestamp_column="created_at",
         retention="1 day",
-        condition="status <> 'open'",
+        condition=condition,
         ledger_schema="bench_ledger",
         schedule=None,
         retries=0,
@@ -129,14 +131,14 @@ def runs(dsn: str, policy: RetentionPolicy, cutoffs: list[datetime]) -> dict[str
     }
 
 
-def build(dsn: str, rows: int, stale: bool) -> dict[str, Any]:
+def build(dsn: str, rows: int, stale: bool, condition: str | None) -> dict[str, Any]:
     print(f"building bench.events with {rows:,} rows ...", flush=True)
     started = time.perf_counter()
     conn = psycopg2.connect(dsn)
     conn.autocommit = True
     with conn.cursor() as cur:
         for statement in BUILD_SQL:
-            cur.execute(statement, {"rows": rows, "cutoff": CUTOFF})
+            cur.execute(statement.replace("{eligible}", condition or "true"), {"rows": rows, "cutoff": CUTOFF})
         if stale:
             cur.execute("ALTER TABLE bench.events SET (autovacuum_enabled = false)")
             cur.execute("ANALYZE bench.events (id)")  # statistics of the other columns: from before the delete
@@ -157,30 +159,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dsn", help=f"PostgreSQL server (a database {DB!r} is created on it and dropped)")
     parser.add_argument("--keep", action="store_true", help="keep the database at the end")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument(
+        "--no-condition",
+        action="store_true",
+        help="a policy without a condition: every row before the cutoff is eligible, none is kept",
+    )
     args = parser.parse_args(argv)
+    condition = None if args.no_condition else CONDITION
 
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
     dsn = make_dsn(server, dbname=DB)
     days = [CUTOFF - timedelta(days=d) for d in range(1, args.backfills + 1)]
     try:
-        table = build(dsn, args.rows, args.stale_stats)
+        table = build(dsn, args.rows, args.stale_stats, condition)
         print("running the nightly run ...", flush=True)
-        nightly = runs(dsn, bench_policy("bench"), [CUTOFF])
+        nightly = runs(dsn, bench_policy("bench", condition), [CUTOFF])
         print(f"running {args.backfills} backfilled days ...", flush=True)
-        probed = runs(dsn, bench_policy("bench"), days)
+        probed = runs(dsn, bench_policy("bench", condition), days)
         print(f"running the {args.backfills} days again without the probe ...", flush=True)
         probe = planner.nothing_eligible
         planner.nothing_eligible = lambda *_, **__: None  # type: ignore[assignment]
         try:
-            unprobed = runs(dsn, bench_policy("bench_noprobe"), days)
+            unprobed = runs(dsn, bench_policy("bench_noprobe", condition), days)
         finally:
             planner.nothing_eligible = probe  # type: ignore[assignment]
     finally:
         if not args.keep:
             admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
 
-    stats = "stale statistics" if args.stale_stats else "fresh statistics"
+    stats = ("stale statistics" if args.stale_stats else "fresh statistics") + (
+        "; no condition" if condition is None else f"; condition {condition}"
+    )
     print()
     print(f"{args.rows:,} rows built, {table['rows_left']:,} left in {table['blocks']:,} blocks; {stats}")
     header = f"{'':<40} {'s':>8} {'x nightly':>10} {'chunks':>7} {'rows':>9} {'heap pages':>11} {'index pages':>12}"
@@ -204,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {r['reasons'][0]}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = {"rows": args.rows, "stale_stats": args.stale_stats, **table}
+        data = {"rows": args.rows, "stale_stats": args.stale_stats, "condition": condition, **table}
         data.update({"nightly": nightly, "backfills_probe": probed, "backfills_no_probe": unprobed})
         args.json.write_text(json.dumps(data, indent=2))
         print(f"\nresults written to {args.json}")

@@ -71,7 +71,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             with connect(target.dsn) as conn:
                 for policy in group:
-                    statuses[policy.name] = policy_status(conn, policy, limit=args.limit, as_of=as_of)
+                    try:
+                        statuses[policy.name] = policy_status(
+                            conn, policy, limit=args.limit, as_of=as_of, privileges=args.dsn is None
+                        )
+                    except Exception as exc:  # noqa: BLE001 - e.g. no privilege on its ledger: the others still report
+                        conn.rollback()
+                        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                        unreachable[policy.name] = f"cannot read its ledger in schema {policy.ledger_schema!r}: {first}"
         except CliError as exc:
             for policy in group:
                 unreachable.setdefault(policy.name, str(exc))

@@ -8,6 +8,7 @@ Nothing here writes. The values are plain dataclasses; :mod:`airflow_retention.c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -205,33 +206,75 @@ class Alert:
     message: str
     run_key: str | None = None
     public: str | None = None
+    # Whether it makes the policy failing (status exits 3): see :func:`mark_failing`.
+    failing: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "run_key": self.run_key, "message": self.message}
 
-    def without_connection_details(self) -> Alert:
-        return self if self.public is None else Alert(self.kind, self.public, self.run_key)
+    def without_connection_details(self, hidden: Sequence[str] = ()) -> Alert:
+        """The alert for a reader who may not see the connection: its ``public`` text, and every value of
+        ``hidden`` (the connection's host, user, database) blanked wherever a message quotes it (a
+        privilege error names the role, a plan's error the database)."""
+        return dataclasses.replace(self, message=blank(self.public or self.message, hidden), public=None)
+
+
+def blank(text: str, hidden: Sequence[str]) -> str:
+    """``text`` with each value of ``hidden`` that stands as a word replaced by ``…``."""
+    import re
+
+    for value in sorted({v for v in hidden if v}, key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.-]){re.escape(value)}(?![\w.-])", "…", text)
+    return text
 
 
 # Warnings that mean a policy is failing (``status`` exits 3): its target cannot be purged, or its latest
 # run has stopped on an error. Missed days and a missing ledger are not failures.
-FAILING_KINDS = frozenset({"stuck", "not_verified", "chunk_error", "dead_letter"})
+FAILING_KINDS = frozenset({"stuck", "not_verified", "dead_letter"})
 # Failing whatever the latest run: the target check, and a failed plan no plan has succeeded since.
 ALWAYS_FAILING = frozenset({"target", "plan_failed"})
+# A chunk error of the latest run makes it failing once the run has committed no batch for this long:
+# longer than the longest retry delay (it doubles up to 10 minutes), so a retry still to come is not a
+# failure, while a chunk that failed for good shows well before the run counts as stuck.
+CHUNK_ERROR_FAILING_AFTER = timedelta(minutes=15)
 
 
-def target_alert(conn: Any, policy: Any) -> Alert | None:
+def mark_failing(warnings: list[Alert], runs: list[RunSummary], now: datetime) -> list[Alert]:
+    """The warnings, those that make the policy failing marked: the target check, a failed plan, and the
+    latest run (planned last; lone runs left out) stuck, not verified, with dead letters, or with a chunk
+    error and no batch for :data:`CHUNK_ERROR_FAILING_AFTER`."""
+    planned = [r for r in runs if r.kind != "lone"]
+    latest = max(planned, key=lambda r: r.planned_at, default=None)
+    idle = now - (latest.last_batch_at or latest.planned_at) if latest is not None else timedelta(0)
+
+    def failing(w: Alert) -> bool:
+        if w.kind in ALWAYS_FAILING:
+            return True
+        if latest is None or w.run_key != latest.run_key:
+            return False
+        return w.kind in FAILING_KINDS or (w.kind == "chunk_error" and idle > CHUNK_ERROR_FAILING_AFTER)
+
+    return [dataclasses.replace(w, failing=failing(w)) for w in warnings]
+
+
+def target_alert(conn: Any, policy: Any, *, privileges: bool = True) -> Alert | None:
     """The planner's own checks of the table, its columns and types, read only: what would fail the next
-    plan at once (a connection pointed at a database without the table, a renamed column), or None."""
+    plan at once (a connection pointed at a database without the table, a renamed column), or None (also
+    when the check could not finish: a lock or statement timeout is no verdict).
+
+    :param privileges: also check the purge role's privileges on the table (only meaningful through the
+        policy's own connection, not another role's ``--dsn``)."""
     from airflow_retention.core.catalog import inspect_target
-    from airflow_retention.core.errors import PermanentError, TableMissing
+    from airflow_retention.core.errors import PermanentError, RetryableError, TableMissing
 
     try:
-        inspect_target(conn, policy, quiet=True)
+        inspect_target(conn, policy, quiet=True, privileges=privileges)
     except TableMissing as exc:
         return Alert("target", f"the next plan fails: {exc}", public=f"the next plan fails: {exc.without_database()}")
     except PermanentError as exc:
         return Alert("target", f"the next plan fails: {exc}")
+    except RetryableError:
+        return None
     return None
 
 
@@ -267,25 +310,12 @@ class PolicyStatus:
     covered: list[MissedRunInfo] = field(default_factory=list)
 
     @property
-    def latest_run(self) -> RunSummary | None:
-        """The run planned last (a backfill of an old date included); lone runs left out."""
-        planned = [r for r in self.runs if r.kind != "lone"]
-        return max(planned, key=lambda r: r.planned_at, default=None)
-
-    @property
     def failures(self) -> list[Alert]:
-        """The warnings that make the policy failing: a target check that fails, or the latest run stopped
-        on an error (stuck, not verified, chunk errors, dead letters)."""
-        latest = self.latest_run
-        return [
-            w
-            for w in self.warnings
-            if w.kind in ALWAYS_FAILING
-            or (w.kind in FAILING_KINDS and latest is not None and w.run_key == latest.run_key)
-        ]
+        """The warnings that make the policy failing (:func:`mark_failing`)."""
+        return [w for w in self.warnings if w.failing]
 
-    def without_connection_details(self) -> PolicyStatus:
-        return dataclasses.replace(self, warnings=[w.without_connection_details() for w in self.warnings])
+    def without_connection_details(self, hidden: Sequence[str] = ()) -> PolicyStatus:
+        return dataclasses.replace(self, warnings=[w.without_connection_details(hidden) for w in self.warnings])
 
     def to_json(self) -> dict[str, Any]:
         p = self.policy
@@ -306,20 +336,24 @@ class PolicyStatus:
         }
 
 
-def policy_status(conn: Any, policy: Any, *, limit: int, as_of: datetime | None = None) -> PolicyStatus:
-    """Runs, missed scheduled runs and warnings of one policy, as of ``as_of`` (default: database now)."""
+def policy_status(
+    conn: Any, policy: Any, *, limit: int, as_of: datetime | None = None, privileges: bool = True
+) -> PolicyStatus:
+    """Runs, missed scheduled runs and warnings of one policy, as of ``as_of`` (default: database now).
+
+    :param privileges: check the purge role's privileges on the table too (the connection is the policy's)."""
     from airflow_retention.core.ledger import Ledger
 
     ledger = Ledger(policy.ledger_schema)
     now = database_now(conn)
     as_of = as_of or now
-    target = [a for a in [target_alert(conn, policy)] if a is not None]
+    target = [a for a in [target_alert(conn, policy, privileges=privileges)] if a is not None]
     version = ledger.version(conn)
     if version is None:
         warning = Alert(
             "no_ledger", f"no ledger in schema {policy.ledger_schema!r} yet: no run of any policy was planned there"
         )
-        return PolicyStatus(policy, None, as_of, warnings=[*target, warning])
+        return PolicyStatus(policy, None, as_of, warnings=mark_failing([*target, warning], [], now))
     runs = load_runs(conn, ledger, policy.name, limit, now)
     missed, covered = find_missed(conn, ledger, policy, as_of)
     warnings = [
@@ -329,7 +363,7 @@ def policy_status(conn: Any, policy: Any, *, limit: int, as_of: datetime | None 
         *run_warnings(runs, now),
         *dead_letter_warnings(conn, ledger, runs),
     ]
-    return PolicyStatus(policy, version, as_of, runs, missed, warnings, covered)
+    return PolicyStatus(policy, version, as_of, runs, missed, mark_failing(warnings, runs, now), covered)
 
 
 def plan_failure_alerts(conn: Any, ledger: Any, policy: Any, runs: list[RunSummary]) -> list[Alert]:
@@ -338,7 +372,7 @@ def plan_failure_alerts(conn: Any, ledger: Any, policy: Any, runs: list[RunSumma
     failure = ledger.latest_plan_failure(conn, policy.name)
     if failure is None or ledger.get_run(conn, failure["run_key"]) is not None:
         return []
-    if any(run.planned_at > failure["failed_at"] for run in runs):
+    if any(run.planned_at > failure["failed_at"] for run in runs if run.kind != "lone"):
         return []
     tries = f", {failure['attempts']} attempts" if failure["attempts"] > 1 else ""
     message = (

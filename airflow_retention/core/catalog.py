@@ -105,12 +105,14 @@ def _relation_exists(conn: Any, table: TableName) -> bool:
     return bool(rows[0][0])
 
 
-def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False) -> TargetInfo:
+def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False, privileges: bool = True) -> TargetInfo:
     """Check the table, its columns, types and indexes against the policy; raise :class:`PermanentError`
     naming what is wrong, and log a warning for each missing index that will make the purge slow.
 
     :param quiet: check only, without the index warnings (the status command and the view probe every
-        policy's target on each look)."""
+        policy's target on each look).
+    :param privileges: check the role's privileges on the table (and the archive table); off when the
+        connection is not the purge role's (``airflow-retention status --dsn``)."""
     where = f"policy {policy.name!r}"
     if not _relation_exists(conn, policy.table):
         (database,) = dbapi.fetch_all(conn, "SELECT current_database()")[0]
@@ -232,9 +234,10 @@ def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False) -
         tenant_base_type=tenant_base,
     )
     # A partitioned table's leaves are checked by the planner (core/partitions.py): rows are deleted there.
-    require_privileges(conn, policy, policy.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
-    if policy.archive_table is not None and not policy.dry_run:
-        require_privileges(conn, policy, policy.archive_table, ("INSERT",))
+    if privileges:
+        require_privileges(conn, policy, policy.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
+        if policy.archive_table is not None and not policy.dry_run:
+            require_privileges(conn, policy, policy.archive_table, ("INSERT",))
     if policy.condition:
         _check_condition(conn, policy)
     return info

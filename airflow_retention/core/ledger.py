@@ -523,12 +523,19 @@ class Ledger:
         if version is None or version < 6:
             return None
         fields = ("run_key", "cutoff", "error", "failed_by", "attempts", "first_at", "failed_at")
-        rows = dbapi.fetch_all(
-            conn,
-            f"SELECT {', '.join(fields)} FROM {self.s}.plan_failures WHERE policy = %(p)s"
-            " ORDER BY failed_at DESC LIMIT 1",
-            {"p": policy},
-        )
+        try:
+            rows = dbapi.fetch_all(
+                conn,
+                f"SELECT {', '.join(fields)} FROM {self.s}.plan_failures WHERE policy = %(p)s"
+                " ORDER BY failed_at DESC LIMIT 1",
+                {"p": policy},
+            )
+        except PermanentError as exc:
+            if "(SQLSTATE 42501)" not in str(exc):
+                raise
+            # A role not granted the table (an administrator migrated the ledger): the rest still reads.
+            log.warning("no privilege on %s.plan_failures: failed plans are not shown", self.schema)
+            return None
         return dict(zip(fields, rows[0], strict=True)) if rows else None
 
     def complete_cutoffs(

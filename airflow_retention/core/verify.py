@@ -291,7 +291,7 @@ class MissedDays:
 def missed_runs(conn: Any, ledger: Ledger, policy: RetentionPolicy, start: datetime, end: datetime) -> list[MissedRun]:
     """The scheduled dates in ``[start, end]`` whose run is not complete in the ledger: the gaps that a
     paused DAG or a scheduler outage leaves, until a backfill fills them. Each says whether a later complete
-    run covers it (:attr:`MissedRun.covered_by`)."""
+    run covers it (:attr:`MissedRun.covered_by`): whichever run has the latest cutoff, whenever it completed."""
     from airflow_retention.core.cutoff import freeze_cutoff, run_key
 
     expected = {freeze_cutoff(policy, anchor): anchor for anchor in scheduled_anchors(policy.schedule, start, end)}

@@ -90,10 +90,12 @@ class PolicyPanel:
     # What only a user who may read the policy's connection sees: the driver's own words (host, port, user,
     # database), beside ``error``, which names nothing but the connection id.
     detail: str | None = None
+    # The connection's host, user and database: blanked in the messages a non-reader of it sees.
+    hidden: tuple[str, ...] = ()
 
     def without_connection_details(self) -> PolicyPanel:
         """The panel as a user who may not read the policy's connection sees it."""
-        status = self.status.without_connection_details() if self.status is not None else None
+        status = self.status.without_connection_details(self.hidden) if self.status is not None else None
         return dataclasses.replace(self, status=status, detail=None)
 
     @property
@@ -106,6 +108,17 @@ class PolicyPanel:
         if self.status is None or not self.status.missed:
             return None
         return backfill_command(self.policy, self.status.missed)
+
+
+def connection_values(dsn: str) -> tuple[str, ...]:
+    """The parts of a DSN only a reader of its connection may see in a message: host, user, database."""
+    from psycopg2.extensions import parse_dsn
+
+    try:
+        parts = parse_dsn(dsn)
+    except Exception:  # noqa: BLE001 - nothing to blank in a DSN libpq cannot read
+        return ()
+    return tuple(str(parts[k]) for k in ("host", "user", "dbname") if parts.get(k))
 
 
 @contextmanager
@@ -160,7 +173,8 @@ def load_panels(
         try:
             with ledger_session(target) as conn:
                 for policy in group:
-                    panels[policy.name] = _panel(conn, policy, limit, as_of)
+                    panel = _panel(conn, policy, limit, as_of)
+                    panels[policy.name] = dataclasses.replace(panel, hidden=connection_values(target.dsn))
         except Exception as exc:  # noqa: BLE001 - the database is unreachable: say so for each of its policies
             for policy in group:
                 error = f"the database of connection {policy.conn_id!r} cannot be reached"
@@ -174,8 +188,8 @@ def _panel(conn: Any, policy: RetentionPolicy, limit: int, as_of: datetime | Non
     try:
         return PolicyPanel(policy, status=policy_status(conn, policy, limit=limit, as_of=as_of))
     except Exception as exc:  # noqa: BLE001 - e.g. no privilege on the ledger schema: the other policies still show
-        error = f"cannot read the ledger in schema {policy.ledger_schema!r}: {failure_text(exc)}"
-        return PolicyPanel(policy, error=error)
+        error = f"ledger schema {policy.ledger_schema!r} of connection {policy.conn_id!r}"
+        return PolicyPanel(policy, error=error, detail=failure_text(exc))
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def runs_table(policy_name: str, runs: Sequence[RunSummary]) -> str:
 
 
 def missed_section(panel: PolicyPanel) -> str:
-    """The scheduled days of the last 30 without a complete run: those whose run could still delete rows,
+    """The scheduled days of the last 31 without a complete run: those whose run could still delete rows,
     with the backfill that runs them, and apart, those a later complete run covered (nothing to backfill)."""
     status = panel.status
     assert status is not None
@@ -108,7 +108,7 @@ def missed_section(panel: PolicyPanel) -> str:
     if not status.missed:
         return (
             '<h3>Missed days</h3><p class="muted" data-field="missed" data-value="0">None that a backfill would'
-            f" purge in the last 30 days.</p>{covered}"
+            f" purge in the last 31 days.</p>{covered}"
         )
     # A backfill of a policy whose next plan fails would fail the same way: fix that first.
     blocked = any(f.kind in ("target", "plan_failed") for f in status.failures)

@@ -249,6 +249,39 @@ def test_a_failed_plan_is_recorded_counted_and_read_back_and_pruned(schema: str,
     assert ledger.latest_plan_failure(conn, "p") is None and ledger.latest_plan_failure(conn, "other") is not None
 
 
+def test_a_role_without_grants_on_plan_failures_still_plans_prunes_and_reads(schema: str, admin: Any) -> None:
+    """An administrator migrated the ledger to version 6 and granted the purge role only the older tables:
+    recording a failed plan, pruning failed plans and reading them give up quietly; nothing else fails."""
+    import psycopg2
+    from psycopg2.extensions import make_dsn
+
+    ledger = Ledger(f"{schema}_ledger")
+    owner = psycopg2.connect(admin.dsn)
+    try:
+        ledger.ensure(owner)
+    finally:
+        owner.close()
+    role = f"{schema}_purger"
+    s = ledger.s
+    rows(admin, f'CREATE ROLE "{role}" LOGIN')
+    try:
+        rows(admin, f'GRANT USAGE ON SCHEMA {s} TO "{role}"')
+        rows(admin, f'GRANT SELECT ON {s}.ledger_version TO "{role}"')
+        rows(admin, f'GRANT SELECT, INSERT, UPDATE, DELETE ON {s}.runs, {s}.chunks TO "{role}"')
+        purger = psycopg2.connect(make_dsn(admin.dsn, user=role))
+        try:
+            cutoff = datetime(2026, 1, 1, tzinfo=timezone.utc)
+            assert not ledger.record_plan_failure(purger, "p", "p@x", cutoff, "boom", None)
+            assert ledger.latest_plan_failure(purger, "p") is None
+            assert ledger.prune(purger, "p", 35) == 0
+            assert ledger.recent_runs(purger, "p", limit=5) == []  # the connection is usable afterwards
+        finally:
+            purger.close()
+    finally:
+        rows(admin, f'DROP OWNED BY "{role}"')
+        rows(admin, f'DROP ROLE "{role}"')
+
+
 def test_prune_deletes_only_the_policys_runs_last_touched_long_ago(schema: str, conn: Any, admin: Any) -> None:
     ledger = Ledger(f"{schema}_ledger")
     ledger.ensure(conn)

@@ -91,6 +91,18 @@ class ApiServerOnly(Deployment):
         return str(response.json()["access_token"])
 
 
+def stopped(admin: Any, ledger_schema: str, run_key: str) -> None:
+    """Make ``run_key`` the run planned last, whose last batch was half an hour ago: a chunk error of it is
+    then a failure (no retry is still to come), not yet a stuck run."""
+    with admin.cursor() as cur:
+        cur.execute(f'UPDATE "{ledger_schema}".runs SET planned_at = now() WHERE run_key = %s', (run_key,))
+        cur.execute(
+            f"UPDATE \"{ledger_schema}\".chunks SET last_batch_at = now() - interval '30 minutes'"
+            " WHERE run_key = %s AND last_batch_at IS NOT NULL",
+            (run_key,),
+        )
+
+
 @pytest.fixture(scope="module")
 def view_target() -> Iterator[str]:
     with throwaway_database("retention_view") as dsn:
@@ -116,11 +128,9 @@ def view_seeded(view_target: str, view_admin: Any) -> Seeded:
     conn = psycopg2.connect(view_target)
     try:
         seeded = seed_runs(view_admin, conn, SCHEMA, policy, first)
-        # The run stopped on a chunk error becomes the one planned last: events_purge is failing.
-        with view_admin.cursor() as cur:
-            cur.execute(
-                f'UPDATE "{policy.ledger_schema}".runs SET planned_at = now() WHERE run_key = %s', (seeded.partial,)
-            )
+        # The run stopped on a chunk error becomes the one planned last, with no batch for half an hour:
+        # events_purge is failing.
+        stopped(view_admin, policy.ledger_schema, seeded.partial)
         stalled = RetentionPolicy.from_dict(view_policy_data(SCHEMA, "retention_target", first, name="stalled"))
         key = run_key(stalled, freeze_cutoff(stalled, today))
         by = f"retention_stalled/scheduled__{today:%Y-%m-%dT%H:%M:%S}+00:00/-1/try 3"

@@ -18,6 +18,7 @@ from airflow_retention.plugins.data import PolicySet, ledger_session, load_panel
 from airflow_retention.plugins.render import overview_page, run_page
 
 from ..conftest import DSN
+from .conftest import stopped
 from .helpers import CHUNK_ERROR, Seeded, ViewReader, ledger_chunks, ledger_runs, seed_runs, view_policy_data
 
 FIRST_ANCHOR = datetime(2024, 7, 1, tzinfo=timezone.utc)
@@ -127,7 +128,8 @@ def test_a_ledger_that_cannot_be_read_is_a_message(seeded: Seeded, schema: str, 
         with admin.cursor() as cur:
             cur.execute(f'DROP SCHEMA "{schema}_gone" CASCADE')
     assert panels[0].status is None
-    assert f"cannot read the ledger in schema '{schema}_gone'" in (panels[0].error or "")
+    assert panels[0].error == f"ledger schema '{schema}_gone' of connection 'view_ok'"
+    assert panels[0].detail  # the driver's words, for readers of the connection only
     assert panels[1].status is not None and len(panels[1].status.runs) == 4
 
 
@@ -188,11 +190,9 @@ def test_a_missing_table_a_failing_latest_run_and_an_invalid_policy_are_shown_fa
             "ledger_schema": f"{schema}_ghost",
         }
     )
-    # The seeded run stopped on a chunk error becomes the one planned last (a backfill of its day, say).
-    with admin.cursor() as cur:
-        cur.execute(
-            f'UPDATE "{seeded.policy.ledger_schema}".runs SET planned_at = now() WHERE run_key = %s', (seeded.partial,)
-        )
+    # The seeded run stopped on a chunk error becomes the one planned last (a backfill of its day, say),
+    # with no batch for half an hour.
+    stopped(admin, seeded.policy.ledger_schema, seeded.partial)
     panels = load_panels([ghost, seeded.policy], as_of=AS_OF)
     database = panels[1].status and admin.info.dbname
     problem = PolicyProblem("retention_typo", str(PolicyError("typo", "conditon", "unknown key")))
@@ -220,3 +220,29 @@ def test_a_missing_table_a_failing_latest_run_and_an_invalid_policy_are_shown_fa
     with admin.cursor() as cur:
         cur.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (f"{schema}_ghost",))
         assert cur.fetchone()[0] == 0
+
+
+def test_a_reader_of_the_dag_but_not_of_the_connection_sees_no_database_or_role_in_any_message(
+    seeded: Seeded, schema: str, admin: Any
+) -> None:
+    """A failed plan's error is the driver's: it may name the database or the role. For a reader of the DAG
+    who may not read the connection, every value of the connection is blanked from every message."""
+    from airflow_retention.core.ledger import Ledger
+
+    database, role = admin.info.dbname, admin.info.user
+    conn = psycopg2.connect(DSN)
+    try:
+        error = f'permission denied for database {database}: role "{role}" may not create schemas'
+        assert Ledger(seeded.policy.ledger_schema).record_plan_failure(
+            conn, "events_purge", "events_purge@2030-01-01T00:00:00Z", FIRST_ANCHOR, error, "test"
+        )
+    finally:
+        conn.close()
+    (panel,) = load_panels([seeded.policy], as_of=AS_OF)
+    assert panel.status is not None
+    (failure,) = [w for w in panel.status.failures if w.kind == "plan_failed"]
+    assert database in failure.message and role in failure.message
+    page = overview_page(PolicySet(SOURCE, [seeded.policy]), [panel.without_connection_details()], AS_OF)
+    (shown,) = [t for t in ViewReader(page).texts["failing"] if "its plan failed" in t]
+    assert 'permission denied for database …: role "…" may not create schemas' in shown
+    assert database not in shown and role not in shown
