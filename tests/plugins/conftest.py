@@ -103,13 +103,13 @@ def stopped(admin: Any, ledger_schema: str, run_key: str) -> None:
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def view_target() -> Iterator[str]:
     with throwaway_database("retention_view") as dsn:
         yield dsn
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def view_admin(view_target: str) -> Iterator[Any]:
     conn = psycopg2.connect(view_target)
     conn.autocommit = True
@@ -117,7 +117,7 @@ def view_admin(view_target: str) -> Iterator[Any]:
     conn.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def view_seeded(view_target: str, view_admin: Any) -> Seeded:
     """Runs of the last five days (today's anchor minus 5 .. minus 2; minus 4 left running)."""
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
@@ -141,7 +141,7 @@ def view_seeded(view_target: str, view_admin: Any) -> Seeded:
         conn.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def view_deployment(
     view_target: str, view_seeded: Seeded, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Deployment]:
