@@ -16,7 +16,7 @@ from airflow_retention.cli.config import (
     select_policies,
     target_for,
 )
-from airflow_retention.cli.errors import EXIT_FAILING, EXIT_INCOMPLETE, EXIT_OK, CliError
+from airflow_retention.cli.errors import EXIT_FAILING, EXIT_INCOMPLETE, EXIT_OK, CliError, first_line
 from airflow_retention.cli.timefmt import iso, parse_instant, run_cutoff
 
 
@@ -77,8 +77,9 @@ def cmd_status(args: argparse.Namespace) -> int:
                         )
                     except Exception as exc:  # noqa: BLE001 - e.g. no privilege on its ledger: the others still report
                         conn.rollback()
-                        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                        unreachable[policy.name] = f"cannot read its ledger in schema {policy.ledger_schema!r}: {first}"
+                        unreachable[policy.name] = (
+                            f"cannot read its ledger in schema {policy.ledger_schema!r}: {first_line(exc)}"
+                        )
         except CliError as exc:
             for policy in group:
                 unreachable.setdefault(policy.name, str(exc))

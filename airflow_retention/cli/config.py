@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from airflow_retention.cli.errors import CliError
+from airflow_retention.cli.errors import CliError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -255,8 +255,7 @@ def connect(dsn: str) -> Iterator[Any]:
     try:
         conn = psycopg2.connect(dsn, connect_timeout=CONNECT_TIMEOUT_S)
     except psycopg2.Error as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {first}") from None
+        raise CliError(f"cannot connect to PostgreSQL ({redact(dsn)}): {first_line(exc)}") from None
     try:
         yield conn
     finally:

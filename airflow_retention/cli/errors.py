@@ -10,6 +10,11 @@ EXIT_ERROR = 2
 EXIT_FAILING = 3
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's first line (a driver's detail lines stay out of one-line messages)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 class CliError(Exception):
     """An expected failure (bad option, unknown policy, unreachable database): one line, exit 2."""
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from airflow_retention.cli.report import PolicyStatus, RunSummary
+from airflow_retention.cli.report import PolicyStatus, RunSummary, covered_line
 from airflow_retention.cli.timefmt import human_seconds, short
 from airflow_retention.core.ledger import ChunkSpec
 
@@ -116,15 +116,9 @@ def print_status(
         for warning in status.warnings:
             if warning not in failures:
                 console.print(f"  [yellow]warning:[/] {escape(warning.message)}", soft_wrap=True)
-        if status.covered:
-            first, last = status.covered[0].anchor, status.covered[-1].anchor
-            cover = max(m.covered_by for m in status.covered if m.covered_by is not None)
-            console.print(
-                f"  {len(status.covered)} scheduled day(s) from {first:%Y-%m-%d} to {last:%Y-%m-%d} have no complete"
-                f" run of their own, but the complete run with cutoff {short(cover)} already deleted what they would:"
-                " nothing to backfill",
-                soft_wrap=True,
-            )
+        covered = covered_line(status.covered)
+        if covered is not None:
+            console.print(f"  {escape(covered)}", soft_wrap=True)
         if not status.warnings:
             console.print("  [green]no warnings[/]")
     for name, error in (unreachable or {}).items():

@@ -439,6 +439,18 @@ def missed_warnings(policy: Any, missed: list[MissedRunInfo], shown: int = 5) ->
     return [Alert("missed_run", message)]
 
 
+def covered_line(covered: list[MissedRunInfo]) -> str | None:
+    """The one line on the scheduled days a later complete run covered (no backfill needed), or None."""
+    if not covered:
+        return None
+    cover = max(m.covered_by for m in covered if m.covered_by is not None)
+    return (
+        f"{len(covered)} scheduled day(s) from {covered[0].anchor:%Y-%m-%d} to {covered[-1].anchor:%Y-%m-%d} have"
+        f" no complete run of their own, but the complete run with cutoff {short(cover)} already deleted what"
+        " they would: nothing to backfill"
+    )
+
+
 def backfill_command(policy: Any, missed: list[MissedRunInfo]) -> str:
     """The ``airflow backfill create`` command that runs every missed date (first to last) of the policy."""
     first, last = missed[0].anchor, missed[-1].anchor

@@ -141,9 +141,9 @@ def failure_text(exc: BaseException) -> str:
     anything shaped like a libpq secret (``password=...``, ``sslpassword=...``) blanked."""
     import re
 
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else type(exc).__name__
-    return re.sub(r"\b(password|sslpassword)=\S+", r"\1=***", text)
+    from airflow_retention.cli.errors import first_line
+
+    return re.sub(r"\b(password|sslpassword)=\S+", r"\1=***", first_line(exc))
 
 
 def load_panels(

@@ -13,7 +13,7 @@ from html import escape
 from urllib.parse import urlencode
 
 from airflow_retention.cli.render import lag_text, rows_text
-from airflow_retention.cli.report import RunSummary
+from airflow_retention.cli.report import ALWAYS_FAILING, RunSummary, covered_line
 from airflow_retention.cli.timefmt import short
 from airflow_retention.plugins.chart import runs_chart
 from airflow_retention.plugins.data import RUNS_IN_TABLE, ChunkView, PolicyPanel, PolicySet, RunDetail, dag_id
@@ -95,23 +95,19 @@ def missed_section(panel: PolicyPanel) -> str:
     with the backfill that runs them, and apart, those a later complete run covered (nothing to backfill)."""
     status = panel.status
     assert status is not None
-    covered = ""
-    if status.covered:
-        cover = max(m.covered_by for m in status.covered if m.covered_by is not None)
-        first, last = status.covered[0].anchor, status.covered[-1].anchor
-        covered = (
-            f'<p class="muted" data-field="covered" data-value="{len(status.covered)}">{len(status.covered)}'
-            f" scheduled day(s) from {first:%Y-%m-%d} to {last:%Y-%m-%d} have no complete run of their own, but"
-            f" the complete run with cutoff {escape(short(cover))} already deleted what they would: nothing to"
-            " backfill.</p>"
-        )
+    line = covered_line(status.covered)
+    covered = (
+        f'<p class="muted" data-field="covered" data-value="{len(status.covered)}">{escape(line)}.</p>'
+        if line is not None
+        else ""
+    )
     if not status.missed:
         return (
             '<h3>Missed days</h3><p class="muted" data-field="missed" data-value="0">None that a backfill would'
             f" purge in the last 31 days.</p>{covered}"
         )
     # A backfill of a policy whose next plan fails would fail the same way: fix that first.
-    blocked = any(f.kind in ("target", "plan_failed") for f in status.failures)
+    blocked = any(f.kind in ALWAYS_FAILING for f in status.failures)
     run_them = "Once the failure above is fixed, run them with:" if blocked else "Run them with:"
     items = "".join(
         f'<li data-date="{m.anchor:%Y-%m-%d}">{m.anchor:%Y-%m-%d} (cutoff {escape(short(m.cutoff))})'
