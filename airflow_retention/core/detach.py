@@ -38,11 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from airflow_retention.core import dbapi
+from airflow_retention.core import dbapi, partman
 from airflow_retention.core.catalog import TargetInfo, check_detached_schema
 from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.move import move_to_schema
 from airflow_retention.core.partitions import expired_by_bound, needs_row_check
 from airflow_retention.core.policy import RetentionPolicy
 from airflow_retention.core.sql import (
@@ -52,7 +53,6 @@ from airflow_retention.core.sql import (
     ineligible_exists_statement,
     lock_statement,
     partition_census_statement,
-    set_schema_statement,
 )
 from airflow_retention.core.tenants import TenantCutoffs
 
@@ -482,11 +482,15 @@ def _finish(
 
 
 def _remove(cur: Any, policy: RetentionPolicy, action: str, table: TableName) -> str:
+    """Drop the detached table, or leave it detached (moved into ``detached_schema``, under names that
+    cannot clash there); either way it is no longer pg_partman's to maintain (:func:`partman.forget`)."""
+    partman.forget(cur, table)
     if action == "drop":
         cur.execute(drop_statement(table))
         return "dropped"
     if policy.detached_schema is not None and table.schema != policy.detached_schema:
-        cur.execute(set_schema_statement(table, policy.detached_schema))
+        moved = move_to_schema(cur, table, policy.detached_schema)
+        log.info("partition %s moved to %s", table, moved)
     return "detached"
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from airflow_retention.core import dbapi
+from airflow_retention.core import dbapi, partman
 from airflow_retention.core.catalog import TargetInfo, check_detached_schema, require_privileges
 from airflow_retention.core.identifiers import TableName
 from airflow_retention.core.policy import RetentionPolicy
@@ -311,6 +311,8 @@ def survey(
     plan = PartitionPlan(actions=list(actions.values()), row_leaves=row_leaves, decisions=decisions)
     if plan.actions and not policy.dry_run:
         check_detached_schema(conn, policy)
+    if acting:
+        partman.check_plan(conn, policy, [r.table for r in plan.actions])
     log.info(
         "policy %s: %s has %d leaf partition(s): %d to %s whole, %d with rows to delete, %d skipped",
         policy.name,

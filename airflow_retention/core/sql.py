@@ -466,10 +466,6 @@ def drop_statement(relation: TableName) -> str:
     return f"DROP TABLE {relation.sql}"
 
 
-def set_schema_statement(relation: TableName, schema: str) -> str:
-    return f"ALTER TABLE {relation.sql} SET SCHEMA {quote_ident(schema)}"
-
-
 def ineligible_exists_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName) -> str:
     """Whether ``relation`` holds a row the policy keeps (the condition fails, or is NULL): a partition
     with such a row must not be detached or dropped. Stops at the first one."""

@@ -232,6 +232,11 @@ def test_every_docs_example_runs_as_written(block: Block, example_env: str, tmp_
         # count as a failure here, and a syntax slip in a fragment is still a broken example.
         compile(block.text, block.where, "exec")
         return
+    if what == "partman":
+        # Needs pg_partman and the page's own table: tests/partman/test_docs.py plans and runs it there.
+        assert block.why, f"{block.where}: a partman marker says where it runs: <!-- example: partman (why) -->"
+        assert load_yaml(block.text, tmp_path, block.where), f"{block.where}: no policy"
+        return
     if what == "include":
         included = block.text.strip().split(None, 1)[1].strip().strip('"')
         assert (REPO / included).is_file(), f"{block.where}: includes {included}, which does not exist"

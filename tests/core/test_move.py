@@ -1,0 +1,74 @@
+"""A detached partition moved into ``detached_schema`` never meets a name already there (issue 24): the
+table, its indexes and its row type renamed to the first free ``<name>_<n>`` first, in the transaction
+that moves it, on the concurrent path (no DEFAULT, no condition) and the atomic one. Against the real
+PostgreSQL, on both drivers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.move import free_name
+from airflow_retention.core.planner import plan_run
+
+from .helpers import CONDITION, CUTOFF, make_policy, rows, scalar
+from .partition_helpers import create_monthly, partitions_of, relations_in
+
+
+def test_free_name_keeps_a_free_name_and_numbers_a_taken_one_within_63_bytes() -> None:
+    assert free_name("m01", set()) == "m01"
+    assert free_name("m01", {"m01"}) == "m01_1"
+    assert free_name("m01", {"m01", "m01_1", "m01_2"}) == "m01_3"
+    long = "é" * 31 + "x"  # 63 bytes
+    renamed = free_name(long, {long})
+    assert renamed.endswith("_1") and len(renamed.encode()) <= 63 and renamed.startswith("é" * 30)
+
+
+def index_names(admin: Any, schema: str, table: str) -> set[str]:
+    return {
+        r[0]
+        for r in rows(
+            admin,
+            "SELECT indexname FROM pg_indexes WHERE schemaname = %(s)s AND tablename = %(t)s",
+            {"s": schema, "t": table},
+        )
+    }
+
+
+@pytest.mark.parametrize("condition", [None, CONDITION], ids=["concurrent", "atomic"])
+def test_a_partition_detached_into_a_schema_holding_its_names_is_moved_under_new_ones(
+    schema: str, conn: Any, admin: Any, condition: str | None
+) -> None:
+    create_monthly(admin, schema, status="'closed'")
+    detached = f"{schema}_detached"
+    rows(admin, f'CREATE SCHEMA "{detached}"')
+    try:
+        # An earlier January, with an index of the name January's own index has, already there.
+        rows(admin, f'CREATE TABLE "{detached}".m01 (id bigint)')
+        rows(admin, f'INSERT INTO "{detached}".m01 VALUES (-1)')
+        january_indexes = index_names(admin, schema, "m01")
+        for index in january_indexes:
+            rows(admin, f'CREATE TABLE "{detached}"."{index}" ()')  # a relation of each index's name
+        policy = make_policy(
+            schema,
+            chunk_by="block",
+            key_column=None,
+            condition=condition,
+            expired_partitions="detach",
+            detached_schema=detached,
+        )
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        january = scalar(admin, f'SELECT count(*) FROM "{schema}".m01')
+        result = run_chunk(conn, policy, CUTOFF, chunk)
+
+        assert (result.outcome, result.rows_deleted) == ("detached", january)
+        assert f"{schema}.m01" not in partitions_of(admin, f'"{schema}".events')
+        assert {"m01", "m01_1"} <= relations_in(admin, detached)
+        assert scalar(admin, f'SELECT count(*) FROM "{detached}".m01_1') == january
+        assert scalar(admin, f'SELECT array_agg(id) FROM "{detached}".m01') == [-1]  # the earlier one untouched
+        assert index_names(admin, detached, "m01_1") == {f"{i}_1" for i in january_indexes}
+    finally:
+        rows(admin, f'DROP SCHEMA "{detached}" CASCADE')
