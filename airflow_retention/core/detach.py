@@ -184,6 +184,7 @@ def run_partition_chunk(
     action, changed = wanted_action(policy, chunk.action)
     if not policy.dry_run and action is not None:
         check_detached_schema(conn, policy)  # before anything is detached
+        partman.check_chunk(conn, policy)
     with dbapi.transaction(conn) as cur:
         dbapi.set_local_timeouts(cur, policy.lock_timeout_ms, policy.statement_timeout_ms)
         row = ledger.lock_chunk(cur, run_key, chunk.key)

@@ -47,10 +47,22 @@ WHERE c.relkind = 'p'
 """
 
 
+READABLE = """
+SELECT current_user::text, has_schema_privilege(%(schema)s, 'USAGE')
+    AND has_table_privilege(%(part_config)s, 'SELECT')
+"""
+
+
 def installed(conn_or_cur: Any) -> str | None:
     """The schema pg_partman is installed in, or None when the database has no pg_partman."""
     rows = _fetch(conn_or_cur, PARTMAN_SCHEMA, {})
     return str(rows[0][0]) if rows else None
+
+
+def readable(conn_or_cur: Any, schema: str) -> tuple[str, bool]:
+    """This role's name, and whether it may read partman's ``part_config`` (USAGE on the schema, SELECT)."""
+    rows = _fetch(conn_or_cur, READABLE, {"schema": schema, "part_config": TableName(schema, "part_config").sql})
+    return str(rows[0][0]), bool(rows[0][1])
 
 
 def partitioned_names(conn_or_cur: Any, relation: TableName) -> list[str]:
@@ -68,32 +80,45 @@ def managed(conn_or_cur: Any, schema: str, names: list[str]) -> list[str]:
 
 def check_plan(conn: Any, policy: RetentionPolicy, removed: list[TableName]) -> None:
     """At planning, before anything is removed: refuse a detach that partman would undo, and check that
-    this role may delete partman's rows of the partitions the plan removes whole (``removed``).
+    this role may read and delete partman's rows of the partitioned relations the plan removes whole
+    (``removed``). A role that may not read ``part_config`` is checked only where it matters: a plan
+    that removes a partitioned relation (only those can be partman's) is refused, naming the grants.
 
     :raises PermanentError: naming the field or the grant."""
     schema = installed(conn)
     if schema is None:
         return
+    user, can_read = readable(conn, schema)
+    below = [name for table in removed for name in partitioned_names(conn, table)]
+    part_config = TableName(schema, "part_config")
+    if not can_read:
+        if below and not policy.dry_run:
+            raise PermanentError(
+                f"policy {policy.name!r}: insufficient privilege: role {user} cannot read {part_config} (pg_partman's"
+                f" configuration), and this run removes partitioned relation(s) whole ({', '.join(below[:3])}"
+                f"{', …' if len(below) > 3 else ''}) whose configuration there must go with them (GRANT USAGE ON"
+                f" SCHEMA {quote_ident(schema)} TO {quote_ident(user)}; GRANT SELECT, DELETE ON {part_config.sql},"
+                f" {TableName(schema, 'part_config_sub').sql} TO {quote_ident(user)}); nothing was deleted"
+            )
+        if policy.expired_partitions == "detach":
+            log.warning(
+                "policy %s: pg_partman is installed, and role %s cannot read %s: whether partman manages %s is not"
+                " checked (a detach without detached_schema on a partman set lets partman fill the detached table;"
+                " docs/partman.md)",
+                policy.name,
+                user,
+                part_config,
+                policy.table,
+            )
+        return
     names = partitioned_names(conn, policy.table) or [f"{policy.table.schema}.{policy.table.name}"]
     if not managed(conn, schema, names):
         return
-    if policy.expired_partitions == "detach" and policy.detached_schema is None:
-        raise PermanentError(
-            f"policy {policy.name!r}: field 'detached_schema': pg_partman manages {policy.table}"
-            f" ({display_name(schema)}.part_config), and a partition detached under its own name in its own schema"
-            " stays where partman looks for the child of its range: partman's partition_data_time would move late"
-            " rows of the DEFAULT partition into it, out of the live table. Set detached_schema (a schema of its"
-            " own, e.g. retention_detached) or use expired_partitions: drop; nothing was detached (docs/partman.md)"
-        )
-    if policy.dry_run or not removed:
+    check_detach(policy, schema, "nothing was detached")
+    if policy.dry_run or not managed(conn, schema, below):
         return
-    below = [name for table in removed for name in partitioned_names(conn, table)]
-    if not managed(conn, schema, below):
-        return
-    part_config = TableName(schema, "part_config")
-    rows = _fetch(conn, "SELECT current_user::text, has_table_privilege(%(rel)s, 'DELETE')", {"rel": part_config.sql})
-    user, can_delete = rows[0]
-    if not can_delete:
+    rows = _fetch(conn, "SELECT has_table_privilege(%(rel)s, 'DELETE')", {"rel": part_config.sql})
+    if not rows[0][0]:
         raise PermanentError(
             f"policy {policy.name!r}: insufficient privilege: role {user} lacks DELETE on {part_config}, which holds"
             f" pg_partman's configuration of the sub-partitioned partition(s) this run removes; partman's"
@@ -102,14 +127,44 @@ def check_plan(conn: Any, policy: RetentionPolicy, removed: list[TableName]) -> 
         )
 
 
+def check_detach(policy: RetentionPolicy, schema: str, outcome: str) -> None:
+    """On a set partman manages, a detached partition must leave the set's schema: refuse otherwise."""
+    if policy.expired_partitions != "detach":
+        return
+    if policy.detached_schema is not None and policy.detached_schema != policy.table.schema:
+        return
+    raise PermanentError(
+        f"policy {policy.name!r}: field 'detached_schema': pg_partman manages {policy.table}"
+        f" ({display_name(schema)}.part_config), and a partition detached under its own name in its own schema"
+        " stays where partman looks for the child of its range: partman's partition_data_time would move late"
+        " rows of the DEFAULT partition into it, out of the live table. Set detached_schema (a schema of its"
+        f" own, e.g. retention_detached) or use expired_partitions: drop; {outcome} (docs/partman.md)"
+    )
+
+
+def check_chunk(conn: Any, policy: RetentionPolicy) -> None:
+    """When a partition chunk runs (its policy may have changed since planning): the same refusal of a
+    detach partman would undo, before anything is detached. Silent where part_config cannot be read."""
+    if policy.expired_partitions != "detach" or policy.dry_run:
+        return
+    schema = installed(conn)
+    if schema is None or not readable(conn, schema)[1]:
+        return
+    names = partitioned_names(conn, policy.table) or [f"{policy.table.schema}.{policy.table.name}"]
+    if managed(conn, schema, names):
+        check_detach(policy, schema, "nothing was detached")
+
+
 def forget(cur: Any, relation: TableName) -> list[str]:
     """In the transaction that drops ``relation`` or moves it out of its schema, before doing so: delete
     partman's configuration of it and of the partitioned relations below it (``part_config_sub`` follows
-    by its foreign key), as partman's own retention does. Returns the names forgotten."""
+    by its foreign key), as partman's own retention does. Only rows partman has are touched (the planner
+    checked the grants for those); a role that cannot read ``part_config`` removed no partitioned
+    relation partman has (the planner refused). Returns the names forgotten."""
     schema = installed(cur)
-    if schema is None:
+    if schema is None or not readable(cur, schema)[1]:
         return []
-    names = partitioned_names(cur, relation)
+    names = managed(cur, schema, partitioned_names(cur, relation))
     if not names:
         return []
     cur.execute(

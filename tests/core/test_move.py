@@ -1,5 +1,6 @@
 """A detached partition moved into ``detached_schema`` never meets a name already there (issue 24): the
-table, its indexes and its row type renamed to the first free ``<name>_<n>`` first, in the transaction
+table and its indexes renamed to the first free ``<name>_<n>`` first (also when only the name of its row
+type's array type is taken), in the transaction
 that moves it, on the concurrent path (no DEFAULT, no condition) and the atomic one. Against the real
 PostgreSQL, on both drivers."""
 
@@ -70,5 +71,27 @@ def test_a_partition_detached_into_a_schema_holding_its_names_is_moved_under_new
         assert scalar(admin, f'SELECT count(*) FROM "{detached}".m01_1') == january
         assert scalar(admin, f'SELECT array_agg(id) FROM "{detached}".m01') == [-1]  # the earlier one untouched
         assert index_names(admin, detached, "m01_1") == {f"{i}_1" for i in january_indexes}
+    finally:
+        rows(admin, f'DROP SCHEMA "{detached}" CASCADE')
+
+
+def test_a_type_named_like_the_partitions_array_type_is_no_clash_either(schema: str, conn: Any, admin: Any) -> None:
+    create_monthly(admin, schema, status="'closed'")
+    detached = f"{schema}_detached"
+    rows(admin, f'CREATE SCHEMA "{detached}"')
+    try:
+        rows(admin, f'CREATE TYPE "{detached}"."_m01" AS (x int)')  # the name of m01's row type's array type
+        policy = make_policy(
+            schema,
+            chunk_by="block",
+            key_column=None,
+            condition=None,
+            expired_partitions="detach",
+            detached_schema=detached,
+        )
+        plan = plan_run(conn, policy, CUTOFF)
+        chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m01")
+        assert run_chunk(conn, policy, CUTOFF, chunk).outcome == "detached"
+        assert "m01_1" in relations_in(admin, detached)
     finally:
         rows(admin, f'DROP SCHEMA "{detached}" CASCADE')

@@ -7,6 +7,8 @@ those the policy keeps (computed by the tests' own SQL)."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 
 import pytest
@@ -155,7 +157,18 @@ def test_removing_a_month_of_a_sub_partitioned_set_leaves_partmans_maintenance_w
     assert months - removed <= pm.part_config()
     assert assert_partman_healthy(pm) == {}  # no DEFAULT holds a row
     if "detached_schema" in fields:
-        assert {r.split(".")[1] for r in removed} <= pm.tables_in("retention_detached")
+        # Each month with its days and its DEFAULT: nothing of it stays where partman looks.
+        detached = pm.tables_in("retention_detached")
+        for month in (r.split(".")[1] for r in removed & months):
+            assert month in detached and any(t.startswith(f"{month}_p") for t in detached), (month, detached)
+            assert not any(t.startswith(month) for t in pm.tables_in("public")), month
+        # A late row for a detached month: partman recreates the month in the set, nothing clashes.
+        late = planned.cutoff - timedelta(days=60)
+        pm.q("INSERT INTO public.ev_sub (created_at, status) VALUES (%(t)s, 'closed')", {"t": late})
+        pm.settle("ev_sub")
+        pm.purge(policy, TODAY + timedelta(hours=1))
+        assert pm.one("SELECT count(*) FROM public.ev_sub WHERE created_at = %(t)s", {"t": late}) == 0
+        assert assert_partman_healthy(pm) == {}
 
 
 def test_detach_without_detached_schema_on_a_partman_set_is_refused_at_planning(pm: Partman) -> None:
@@ -165,6 +178,15 @@ def test_detach_without_detached_schema_on_a_partman_set_is_refused_at_planning(
     with pytest.raises(PermanentError, match=r"field 'detached_schema': pg_partman manages public\.ev_daily") as err:
         pm.plan(policy)
     assert "partition_data_time" in str(err.value) and "nothing was detached" in str(err.value)
+    assert pm.one("SELECT count(*) FROM public.ev_daily") == total
+    with pytest.raises(PermanentError, match=r"field 'detached_schema'"):  # its own schema is no better
+        pm.plan(pm.policy("ev_daily", expired_partitions="detach", detached_schema="public"))
+    # A policy changed to detach after planning: the chunk refuses before detaching.
+    planned = pm.plan(pm.policy("ev_daily", expired_partitions="drop"))
+    chunk = next(c for c in planned.plan.chunks if c.action == "drop")
+    with pytest.raises(PermanentError, match=r"field 'detached_schema'"):
+        pm.run(policy, planned)
+    assert f"public.{chunk.partition.split('.')[1]}" in pm.children("ev_daily")
     assert pm.one("SELECT count(*) FROM public.ev_daily") == total
     # The same table without partman: nothing to refuse (the existing behaviour).
     pm.q("DELETE FROM partman.part_config WHERE parent_table = 'public.ev_daily'")
@@ -222,35 +244,60 @@ def test_a_late_row_recreating_a_detached_day_is_detached_again_under_a_new_name
     assert assert_partman_healthy(pm) == {}
 
 
-def test_a_role_without_delete_on_part_config_is_told_at_planning(pm: Partman) -> None:
-    """Removing a sub-parent needs DELETE on partman's part_config: checked before anything is removed."""
-    first = (TODAY - timedelta(days=100)).replace(day=1)
-    pm.create_time_set("ev_sub", "monthly", start=first, premake=2, sub_interval="daily")
-    total = pm.fill("ev_sub", first, TODAY, "6 hours")
+@contextmanager
+def owning_role(pm: Partman, table: str) -> Iterator[tuple[str, Partman]]:
+    """A login role of the test's own that owns every relation of ``public.<table>`` and nothing of
+    partman's, and a connection as it; dropped afterwards, with what it owns (the table too)."""
     role = f"pm_role_{uuid.uuid4().hex[:8]}"
     pm.q(f'CREATE ROLE "{role}" LOGIN')
     try:
         pm.q(f'GRANT CREATE ON DATABASE "{pm.admin.info.dbname}" TO "{role}"')
-        pm.q(f'GRANT USAGE ON SCHEMA partman TO "{role}"')
-        pm.q(f'GRANT SELECT ON partman.part_config, partman.part_config_sub TO "{role}"')
-        for (rel,) in pm.q("SELECT relid::regclass::text FROM pg_partition_tree('public.ev_sub')"):
+        for (rel,) in pm.q("SELECT relid::regclass::text FROM pg_partition_tree(%(t)s)", {"t": f"public.{table}"}):
             pm.q(f'ALTER TABLE {rel} OWNER TO "{role}"')
-        policy = pm.policy("ev_sub", retention="45 days", expired_partitions="drop")
         as_role = Partman(make_dsn(pm.dsn, user=role))
         try:
-            with pytest.raises(PermanentError, match=rf"role {role} lacks DELETE on partman\.part_config") as err:
-                as_role.plan(policy)
-            assert f'GRANT DELETE ON "partman"."part_config" TO "{role}"' in str(err.value)
-            assert pm.one("SELECT count(*) FROM public.ev_sub") == total
-            pm.q(f'GRANT DELETE ON partman.part_config, partman.part_config_sub TO "{role}"')
-            as_role.purge(policy)
+            yield role, as_role
         finally:
             as_role.close()
-        assert pm.one("SELECT count(*) FROM public.ev_sub") < total
-        assert_partman_healthy(pm)
     finally:
         pm.q(f'DROP OWNED BY "{role}" CASCADE')
         pm.q(f'DROP ROLE "{role}"')
+
+
+def test_a_role_without_partmans_grants_is_told_at_planning_when_it_removes_a_month(pm: Partman) -> None:
+    """Removing a sub-parent needs to read and delete partman's part_config: checked before anything is
+    removed, the missing grant named each time."""
+    first = (TODAY - timedelta(days=100)).replace(day=1)
+    pm.create_time_set("ev_sub", "monthly", start=first, premake=2, sub_interval="daily")
+    total = pm.fill("ev_sub", first, TODAY, "6 hours")
+    policy = pm.policy("ev_sub", retention="45 days", expired_partitions="drop")
+    with owning_role(pm, "ev_sub") as (role, as_role):
+        with pytest.raises(PermanentError, match=rf"role {role} cannot read partman\.part_config") as err:
+            as_role.plan(policy)
+        assert f'GRANT USAGE ON SCHEMA "partman" TO "{role}"' in str(err.value)
+        pm.q(f'GRANT USAGE ON SCHEMA partman TO "{role}"')
+        pm.q(f'GRANT SELECT ON partman.part_config, partman.part_config_sub TO "{role}"')
+        with pytest.raises(PermanentError, match=rf"role {role} lacks DELETE on partman\.part_config") as err:
+            as_role.plan(policy)
+        assert f'GRANT DELETE ON "partman"."part_config" TO "{role}"' in str(err.value)
+        assert pm.one("SELECT count(*) FROM public.ev_sub") == total
+        pm.q(f'GRANT DELETE ON partman.part_config, partman.part_config_sub TO "{role}"')
+        as_role.purge(policy)
+        assert pm.one("SELECT count(*) FROM public.ev_sub") < total
+        assert assert_partman_healthy(pm) == {}
+
+
+def test_a_role_without_partmans_grants_purges_a_set_whose_removals_partman_does_not_configure(pm: Partman) -> None:
+    """Days of a plain daily set are leaves (never in part_config): no partman grant is needed to drop them,
+    beside partman installed in the same database; nor for a table partman does not manage."""
+    pm.create_time_set("ev_daily", "daily", start=days_ago(30))
+    pm.fill("ev_daily", days_ago(30), TODAY)
+    with owning_role(pm, "ev_daily") as (_, as_role):
+        policy = pm.policy("ev_daily", expired_partitions="drop")
+        purge = as_role.purge(policy)
+        assert list(purge.outcomes.values()).count("dropped") == 20
+        assert pm.ids("public.ev_daily") == kept(pm, "ev_daily", purge.cutoff)
+        assert assert_partman_healthy(pm) == {}
 
 
 def test_partman_absent_changes_nothing(pm: Partman) -> None:
