@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from airflow_retention.cli.config import (
@@ -353,23 +354,60 @@ def cmd_init(args: argparse.Namespace) -> int:
     from airflow_retention.scaffold import POLICIES_FILE, next_steps, write_scaffold
 
     folder = Path(args.dags_folder).expanduser().absolute()
+    if getattr(args, "airflow_metadata", False):
+        return _init_metadata(args, folder)
     try:
         written = write_scaffold(folder, force=args.force)
     except (FileExistsError, NotADirectoryError) as exc:
         raise CliError(f"init: {exc}") from None
     policies = load_policy_file(folder / POLICIES_FILE)
     steps = next_steps(folder, policies, datetime.now(timezone.utc).date().isoformat())
+    return _report_init(
+        args,
+        {"written": [str(p) for p in written], "policies": [p.name for p in policies], "next_steps": steps},
+        [
+            f"wrote {written[0]} (one DAG per policy of the YAML file beside it)",
+            f"wrote {written[1]} ({len(policies)} example policies: {', '.join(p.name for p in policies)})",
+        ],
+        steps,
+    )
+
+
+def _report_init(args: argparse.Namespace, doc: dict[str, Any], lines: list[str], steps: list[str]) -> int:
+    """What ``init`` wrote and the next steps, as JSON or as text."""
     if args.json:
         from airflow_retention.cli.render import emit_json
 
-        emit_json({"written": [str(p) for p in written], "policies": [p.name for p in policies], "next_steps": steps})
+        emit_json(doc)
         return EXIT_OK
-    print(f"wrote {written[0]} (one DAG per policy of the YAML file beside it)")
-    print(f"wrote {written[1]} ({len(policies)} example policies: {', '.join(p.name for p in policies)})")
+    print("\n".join(lines))
     print("\nNext steps:")
     for n, step in enumerate(steps, 1):
         print(f"  {n}. " + step.replace("\n", "\n     "))
     return EXIT_OK
+
+
+def _init_metadata(args: argparse.Namespace, folder: Path) -> int:
+    from airflow_retention.metadata import load_settings, metadata_policies
+    from airflow_retention.scaffold import METADATA_FILES, METADATA_SETTINGS_FILE, metadata_next_steps, write_scaffold
+
+    try:
+        written = write_scaffold(folder, force=args.force, names=METADATA_FILES)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise CliError(f"init: {exc}") from None
+    settings = load_settings(folder / METADATA_SETTINGS_FILE)
+    tables = [p.table.name for p in metadata_policies(settings)]
+    steps = metadata_next_steps(folder, settings)
+    return _report_init(
+        args,
+        {"written": [str(p) for p in written], "tables": tables, "next_steps": steps},
+        [
+            f"wrote {written[0]} (the DAG retention_airflow_metadata)",
+            f"wrote {written[1]} (retention {settings.retention}; tables in airflow db clean's order:",
+            f"    {', '.join(tables)})",
+        ],
+        steps,
+    )
 
 
 # -- init-ledger ----------------------------------------------------------------------------------

@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scaffold.add_argument("dags_folder", metavar="DAGS_FOLDER", help="the Airflow dags folder (created if missing)")
     scaffold.add_argument("--force", action="store_true", help="overwrite the two files if they exist")
+    scaffold.add_argument(
+        "--airflow-metadata",
+        action="store_true",
+        help="instead: the DAG and settings that purge Airflow's own metadata database like airflow db clean",
+    )
     scaffold.set_defaults(handler=commands.cmd_init)
 
     init = sub.add_parser(

@@ -1,4 +1,4 @@
-"""The recovery drill under the real scheduler: 10 tenants x 20 chunks x 5,000 rows, four chunk tasks
+"""The recovery drill under the real scheduler: 10 tenants x 10 chunks x 5,000 rows, four chunk tasks
 at once, one worker SIGKILLed halfway through a chunk. Only that chunk is repeated, from its last
 committed batch; completed chunks stay complete; the table ends as an undisturbed run leaves it."""
 
@@ -20,9 +20,9 @@ from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget, tcp_clien
 
 pytestmark = [pytest.mark.scheduler, pytest.mark.timeout(TEST_TIMEOUT)]
 
-TENANTS, CHUNKS_PER_TENANT, ROWS_PER_CHUNK = 10, 20, 5_000
+TENANTS, CHUNKS_PER_TENANT, ROWS_PER_CHUNK = 10, 10, 5_000
 ELIGIBLE = TENANTS * CHUNKS_PER_TENANT * ROWS_PER_CHUNK
-# Ids 1..1,050,000: tenant = id mod 10; one row in 21 is fresh (after the cutoff), the others are eligible.
+# Ids 1..525,000: tenant = id mod 10; one row in 21 is fresh (after the cutoff), the others are eligible.
 TABLE_SQL = """
 DROP SCHEMA IF EXISTS drill CASCADE;
 CREATE SCHEMA drill;
@@ -34,7 +34,7 @@ SELECT g, g %% 10,
        CASE WHEN g %% 21 = 0 THEN %(cutoff)s::timestamptz + interval '1 hour'
             ELSE %(cutoff)s::timestamptz - make_interval(secs => 1 + g %% 86400) END,
        md5(g::text)
-FROM generate_series(1, 1050000) g;
+FROM generate_series(1, 525000) g;
 CREATE INDEX ON drill.events (created_at);
 CREATE INDEX ON drill.events (tenant_id, id);
 ANALYZE drill.events;

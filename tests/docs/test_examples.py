@@ -81,6 +81,8 @@ def kind(block: Block) -> str:
             return "policies"
         if isinstance(doc, dict) and set(doc) == {"defaults"}:
             return "defaults"
+        if isinstance(doc, dict) and set(doc) == {"airflow_metadata"}:
+            return "metadata"
         return "yaml?"
     try:
         tree = ast.parse(block.text)
@@ -231,6 +233,19 @@ def test_every_docs_example_runs_as_written(block: Block, example_env: str, tmp_
         # Not runnable alone (it names a task's context), but it must still be valid Python: a skip would
         # count as a failure here, and a syntax slip in a fragment is still a broken example.
         compile(block.text, block.where, "exec")
+        return
+    if what == "metadata":
+        # Policies of Airflow's own tables: built here, planned and run in a metadata database by
+        # tests/metadata/test_side_by_side.py.
+        from airflow_retention.metadata import MetadataSettings, metadata_policies
+
+        if block.lang in ("python", "py"):
+            namespace: dict[str, Any] = {"__name__": f"docs_example_{block.line}"}
+            exec(compile(block.text, block.where, "exec"), namespace)
+            assert namespace.get("policies"), f"{block.where}: no policy"
+            return
+        settings = MetadataSettings.from_dict(yaml.safe_load(block.text)["airflow_metadata"])
+        assert metadata_policies(settings), f"{block.where}: no table"
         return
     if what == "partman":
         # Needs pg_partman and the page's own table: tests/partman/test_docs.py plans and runs it there.

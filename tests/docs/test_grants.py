@@ -39,11 +39,12 @@ LEDGER_SCHEMA = "retention"  # the schema every grant list of the docs names
 
 
 def grant_blocks() -> list[Block]:
-    # docs/partman.md's grants need pg_partman: tests/partman/test_docs.py runs them, with a purge as that role.
+    # docs/partman.md's grants need pg_partman: tests/partman/test_docs.py runs them, with a purge as that role;
+    # docs/airflow-metadata.md's are for Airflow's tables: tests/metadata/test_side_by_side.py runs them.
     return [
         b
         for b in blocks("sql")
-        if re.search(r"^\s*GRANT\b", b.text, re.I | re.M) and b.path.name != "partman.md"
+        if re.search(r"^\s*GRANT\b", b.text, re.I | re.M) and b.path.name not in ("partman.md", "airflow-metadata.md")
     ]
 
 

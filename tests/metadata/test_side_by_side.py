@@ -1,0 +1,145 @@
+"""The metadata policies beside ``airflow db clean`` on identical data (issue 23): a metadata database
+migrated by the installed Airflow (``airflow db migrate``), filled with a realistic mix
+(``airflow_retention.demo.airflow_metadata``), cloned; ``airflow db clean --skip-archive`` in one copy,
+the policies generated from the installed Airflow's cleanup configuration in the other, one after
+another in ``db clean``'s order. Every row left must be the same, table by table. The same comparison
+at 1M and 10M ``log`` rows is ``benchmarks/metadata_benchmark.py``."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psycopg2
+import pytest
+from psycopg2.extensions import make_dsn
+
+from airflow_retention.demo import airflow_metadata as am
+from airflow_retention.demo.postgres import admin_execute
+from airflow_retention.metadata import MetadataSettings, metadata_policies
+from tests.conftest import DSN, throwaway_database
+from tests.docs.markdown import REPO, Block, blocks
+
+DOC = REPO / "docs" / "airflow-metadata.md"
+
+ANCHOR = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+RUN_DATE = ANCHOR.replace(hour=0)
+RETENTION_DAYS = 30
+
+
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A metadata database migrated by the installed Airflow, once per module: each test gets a copy."""
+    with throwaway_database("retention_metadata_template") as dsn:
+        am.migrate(tmp_path_factory.mktemp("airflow"), dsn)
+        yield dsn
+
+
+@pytest.fixture
+def metadata_db(migrated: str) -> Iterator[str]:
+    """A fresh copy of the migrated metadata database; dropped afterwards."""
+    copy = am.clone_database(migrated, f"retention_metadata_{uuid.uuid4().hex[:8]}")
+    yield copy
+    am.drop_database(copy)
+
+
+def run_both(tmp_path: Path, dsn: str, role: str | None = None) -> tuple[str, str]:
+    """db clean in ``dsn``, the policies in a clone of it made first (as ``role``, with the grants of
+    docs/airflow-metadata.md, when given); returns both DSNs."""
+    ours = am.clone_database(dsn, f"{psycopg2.extensions.parse_dsn(dsn)['dbname']}_ours")
+    cutoff = RUN_DATE - timedelta(days=RETENTION_DAYS)
+    am.db_clean(tmp_path / "airflow", dsn, cutoff)
+    policies = metadata_policies(
+        MetadataSettings(conn_id="airflow_metadata", retention=f"{RETENTION_DAYS} days"), am.existing_tables(ours)
+    )
+    if role is not None:
+        am.execute(ours, re.sub(r"\bretention_metadata\b", role, grants_block().text))
+    am.run_policies(make_dsn(ours, user=role) if role else ours, policies, RUN_DATE)
+    return dsn, ours
+
+
+def grants_block() -> Block:
+    (block,) = [b for b in blocks("sql", files=[DOC]) if "GRANT" in b.text]
+    return block
+
+
+@pytest.fixture
+def role() -> Iterator[str]:
+    """A role name of the test's own for docs/airflow-metadata.md's grants (created by them); dropped after."""
+    name = f"retention_metadata_{uuid.uuid4().hex[:8]}"
+    yield name
+    admin_execute(DSN, f'DROP ROLE IF EXISTS "{name}"')
+
+
+def test_the_policies_leave_exactly_the_rows_airflow_db_clean_leaves(
+    tmp_path: Path, metadata_db: str, role: str
+) -> None:
+    """As the role docs/airflow-metadata.md creates, with exactly its grants."""
+    seeded = am.seed_metadata(metadata_db, ANCHOR)
+    theirs, ours = run_both(tmp_path, metadata_db, role)
+    try:
+        left = am.checksums(theirs, ANCHOR)
+        assert am.checksums(ours, ANCHOR) == left
+        after = am.table_counts(ours)
+        # The comparison is not vacuous: both removed rows of every large table, and kept rows of each.
+        for table in ("dag_run", "task_instance", "xcom", "log", "job", "task_instance_history", "dag_version"):
+            assert 0 < after[table] < seeded[table], (table, seeded[table], after[table])
+        # db clean's rules hold: each DAG keeps its latest non-manual run, however old; NULL times stay.
+        assert am.scalar(ours, "SELECT count(*) FROM log WHERE dttm IS NULL") == 1
+        assert am.scalar(ours, "SELECT count(*) FROM dag WHERE dag_id = 'removed_dag'") == 0
+        assert am.scalar(ours, "SELECT count(DISTINCT policy) FROM airflow_retention.runs") >= 15
+    finally:
+        am.execute(ours, f'DROP OWNED BY "{role}" CASCADE')
+        am.drop_database(ours)
+
+
+def test_the_docs_python_example_plans_in_a_metadata_database(metadata_db: str) -> None:
+    """docs/airflow-metadata.md's Python example, as written: its policies plan against Airflow's tables."""
+    from airflow_retention.core.cutoff import freeze_cutoff
+    from airflow_retention.core.planner import compute_plan
+
+    (block,) = [b for b in blocks("python", files=[DOC])]
+    namespace: dict[str, object] = {"__name__": "docs_metadata_example"}
+    exec(compile(block.text, block.where, "exec"), namespace)
+    policies = namespace["policies"]
+    assert isinstance(policies, list) and len(policies) >= 15
+    assert namespace["dag"].dag_id == "metadata_purge"
+    am.seed_metadata(metadata_db, ANCHOR, am.MetadataShape(dags=3, days=40, log_rows=500, job_rows=10))
+    conn = psycopg2.connect(metadata_db)
+    try:
+        for policy in policies:
+            preview = compute_plan(conn, policy, freeze_cutoff(policy, RUN_DATE), run_date=RUN_DATE)
+            assert preview.rows_planned >= 0
+        tenants = [p for p in policies if p.tenant_column == "dag_id"]
+        assert tenants and all(dict(p.tenant_retention) for p in tenants)
+    finally:
+        conn.close()
+
+
+def test_rows_of_a_run_still_running_are_kept_where_db_clean_deletes_them(tmp_path: Path, metadata_db: str) -> None:
+    """The one deliberate difference: an old run still running (a stuck sensor, a run that never ended)
+    and its task instances stay; db clean removes them."""
+    am.seed_metadata(metadata_db, ANCHOR, am.MetadataShape(dags=3, days=60, log_rows=100, job_rows=10))
+    old = RUN_DATE - timedelta(days=45)
+    am.execute(
+        metadata_db,
+        "UPDATE dag_run SET state = 'running', end_date = NULL"
+        " WHERE dag_id = 'dag_0001' AND logical_date::date = %(d)s",
+        {"d": old.date()},
+    )
+    theirs, ours = run_both(tmp_path, metadata_db)
+    try:
+        running = "SELECT count(*) FROM dag_run WHERE dag_id = 'dag_0001' AND state = 'running' AND start_date < %(c)s"
+        cutoff = {"c": RUN_DATE - timedelta(days=RETENTION_DAYS)}
+        assert am.scalar(ours, running, cutoff) == 1
+        assert am.scalar(theirs, running, cutoff) == 0
+        ti = (
+            "SELECT count(*) FROM task_instance ti JOIN dag_run r USING (dag_id, run_id)"
+            " WHERE r.state = 'running' AND r.start_date < %(c)s"
+        )
+        assert am.scalar(ours, ti, cutoff) > 0
+    finally:
+        am.drop_database(ours)
