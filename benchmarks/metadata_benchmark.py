@@ -4,7 +4,8 @@ A metadata database migrated by the installed Airflow and filled with a realisti
 (``airflow_retention.demo.airflow_metadata``) is cloned; ``airflow db clean --skip-archive`` runs in one
 copy (and, with ``--batch-size``, ``db clean --batch-size N`` in another), the policies generated from the
 installed Airflow's cleanup configuration in the last, one table after another in ``db clean``'s order.
-Printed side by side: wall time, the longest transaction (sampled every 20 ms in ``pg_stat_activity``)
+Printed side by side: wall time, the longest transaction and the longest one that wrote (sampled every
+20 ms in ``pg_stat_activity``)
 and the WAL written (``pg_current_wal_lsn()`` before and after: the server's whole WAL, so run it on an
 otherwise idle server). The rows left must be identical, table by table (a checksum of every row); the
 script exits 1 otherwise.
@@ -16,6 +17,7 @@ script exits 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -32,15 +34,18 @@ from psycopg2.extensions import make_dsn
 from airflow_retention.demo import airflow_metadata as am
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn
 from airflow_retention.metadata import MetadataSettings, metadata_policies
+from airflow_retention.scaffold import METADATA_SETTINGS_FILE
+from airflow_retention.scaffold import source as scaffold_source
 
 RETENTION_DAYS = 30
 
 
 class LongestTransaction:
-    """The longest open transaction of a database while it runs, sampled from ``pg_stat_activity``."""
+    """The longest open transaction of a database while it runs, and the longest one that wrote (holds a
+    transaction id: row locks), sampled from ``pg_stat_activity``."""
 
     def __init__(self, server_dsn: str, dbname: str) -> None:
-        self.server_dsn, self.dbname, self.longest = server_dsn, dbname, 0.0
+        self.server_dsn, self.dbname, self.longest, self.longest_write = server_dsn, dbname, 0.0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -50,11 +55,15 @@ class LongestTransaction:
         with conn.cursor() as cur:
             while not self._stop.is_set():
                 cur.execute(
-                    "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0) FROM pg_stat_activity"
+                    "SELECT coalesce(max(extract(epoch FROM clock_timestamp() - xact_start)), 0),"
+                    " coalesce(max(extract(epoch FROM clock_timestamp() - xact_start))"
+                    " FILTER (WHERE backend_xid IS NOT NULL), 0) FROM pg_stat_activity"
                     " WHERE datname = %s AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
                     (self.dbname,),
                 )
-                self.longest = max(self.longest, float(cur.fetchone()[0]))
+                any_tx, writing = cur.fetchone()
+                self.longest = max(self.longest, float(any_tx))
+                self.longest_write = max(self.longest_write, float(writing))
                 time.sleep(0.02)
         conn.close()
 
@@ -65,6 +74,12 @@ class LongestTransaction:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def load_settings_text(text: str) -> MetadataSettings:
+    import yaml
+
+    return MetadataSettings.from_dict(yaml.safe_load(text)["airflow_metadata"])
 
 
 def wal_lsn(dsn: str) -> int:
@@ -87,6 +102,7 @@ def measured(server: str, dsn: str, work: Callable[[], Any]) -> dict[str, float]
     return {
         "seconds": round(time.monotonic() - started, 2),
         "longest_transaction_s": round(longest.longest, 2),
+        "longest_write_s": round(longest.longest_write, 2),
         "wal_mb": round((wal_lsn(server) - before) / 2**20, 1),
     }
 
@@ -123,10 +139,10 @@ def main() -> int:
         results: dict[str, dict[str, float]] = {}
         for tool, dsn in copies.items():
             if tool == "policies":
-                policies = metadata_policies(
-                    MetadataSettings(conn_id="airflow_metadata", retention=f"{RETENTION_DAYS} days"),
-                    am.existing_tables(dsn),
-                )
+                # The settings init --airflow-metadata writes (batches of about 500 ms), at this retention.
+                scaffold = load_settings_text(scaffold_source(METADATA_SETTINGS_FILE))
+                settings = dataclasses.replace(scaffold, retention=f"{RETENTION_DAYS} days")
+                policies = metadata_policies(settings, am.existing_tables(dsn))
                 results[tool] = measured(server, dsn, lambda d=dsn, p=policies: am.run_policies(d, p, run_date))
             else:
                 extra = ("--batch-size", str(args.batch_size)) if "batch" in tool else ()
@@ -139,10 +155,13 @@ def main() -> int:
 
     reference = results["db clean"]
     print(f"\nlog rows {args.log_rows:,}; {args.dags} DAGs x {args.days} days of runs; retention {RETENTION_DAYS} days")
-    print(f"{'tool':<34}{'wall s':>9}{'ratio':>7}{'longest tx s':>14}{'WAL MB':>9}")
+    print(f"{'tool':<34}{'wall s':>9}{'ratio':>7}{'longest tx s':>14}{'longest write s':>17}{'WAL MB':>9}")
     for tool, r in results.items():
         ratio = r["seconds"] / reference["seconds"] if reference["seconds"] else float("nan")
-        print(f"{tool:<34}{r['seconds']:>9.1f}{ratio:>7.2f}{r['longest_transaction_s']:>14.2f}{r['wal_mb']:>9.1f}")
+        print(
+            f"{tool:<34}{r['seconds']:>9.1f}{ratio:>7.2f}{r['longest_transaction_s']:>14.2f}"
+            f"{r['longest_write_s']:>17.2f}{r['wal_mb']:>9.1f}"
+        )
     same = all(sums[tool] == sums["db clean"] for tool in sums)
     print("rows left:", "identical in every table" if same else "DIFFERENT", json.dumps(left))
     if not same:

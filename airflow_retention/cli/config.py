@@ -76,6 +76,9 @@ def load_policy_file(explicit: str | None) -> tuple[list[Any], list[Any]]:
         raise CliError(
             f"no policies file: give --policies PATH, set {POLICIES_ENV}, or run where {DEFAULT_POLICIES} exists"
         )
+    metadata = _metadata_policies(path)
+    if metadata is not None:
+        return metadata, []
     try:
         policies, errors = load_policies_lenient(path)
     except PolicyError as exc:
@@ -83,6 +86,28 @@ def load_policy_file(explicit: str | None) -> tuple[list[Any], list[Any]]:
     for error in errors:
         log.warning("%s: skipped %s", path, error)
     return policies, errors
+
+
+def _metadata_policies(path: Path) -> list[Any] | None:
+    """The policies of an ``init --airflow-metadata`` settings file (a top-level ``airflow_metadata:``),
+    generated from the installed Airflow's cleanup configuration as the DAG file does; None for a
+    policies file."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # the policies loader says what is wrong with the file
+    if not isinstance(doc, dict) or "airflow_metadata" not in doc:
+        return None
+    if importlib.util.find_spec("airflow") is None:
+        raise CliError(f"{path}: Airflow metadata settings need the installed Airflow (its db clean configuration)")
+    from airflow_retention.metadata import load_settings, metadata_policies
+
+    try:
+        return metadata_policies(load_settings(path))
+    except ValueError as exc:
+        raise CliError(f"{path}: {exc}") from None
 
 
 def select_policies(policies: Sequence[Any], names: Sequence[str]) -> list[Any]:

@@ -143,3 +143,40 @@ def test_rows_of_a_run_still_running_are_kept_where_db_clean_deletes_them(tmp_pa
         assert am.scalar(ours, ti, cutoff) > 0
     finally:
         am.drop_database(ours)
+
+
+def test_the_command_reads_the_metadata_settings_file_like_a_policies_file(tmp_path: Path, metadata_db: str) -> None:
+    """``airflow-retention --policies retention_airflow_metadata.yaml status``: every table's policy, its runs."""
+    import json
+    import subprocess
+    import sys
+
+    from airflow_retention.scaffold import METADATA_SETTINGS_FILE, source
+
+    settings = tmp_path / METADATA_SETTINGS_FILE
+    settings.write_text(
+        source(METADATA_SETTINGS_FILE).replace("retention: 90 days", f"retention: {RETENTION_DAYS} days")
+    )
+    am.seed_metadata(metadata_db, ANCHOR, am.MetadataShape(dags=3, days=60, log_rows=500, job_rows=10))
+    policies = metadata_policies(MetadataSettings(conn_id="airflow_metadata", retention=f"{RETENTION_DAYS} days"))
+    am.run_policies(metadata_db, [p for p in policies if p.table.name in ("dag_run", "log")], RUN_DATE)
+    cli = Path(sys.executable).with_name("airflow-retention")
+    done = subprocess.run(
+        [
+            str(cli),
+            "--policies",
+            str(settings),
+            "--dsn",
+            metadata_db,
+            "--json",
+            "status",
+            "airflow_dag_run",
+            "airflow_log",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert "airflow_dag_run" in done.stdout and "airflow_log" in done.stdout, shown
