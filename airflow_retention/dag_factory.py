@@ -16,6 +16,7 @@ from airflow_retention.core.policy import (
     DAG_ID_PREFIX,
     RetentionPolicy,
     load_policies_lenient,
+    policy_dag_id,
     problem_dag_ids,
 )
 from airflow_retention.operators.retention import (
@@ -99,7 +100,7 @@ def build_dag(policy: RetentionPolicy, *, dag_id: str | None = None, **group_kwa
     deleted and counted once, docs/concepts.md), catchup off unless the policy says so, retries with
     backoff, and the policy as ``doc_md``."""
     with DAG(
-        dag_id=dag_id or f"{DAG_ID_PREFIX}{policy.name}",
+        dag_id=dag_id or policy_dag_id(policy),
         schedule=policy.schedule,
         start_date=policy.start_date,
         catchup=policy.catchup,

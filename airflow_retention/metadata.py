@@ -2,8 +2,8 @@
 from the cleanup configuration of the Airflow that is installed (``airflow.utils.db_cleanup.config_list``),
 so that the policies follow the installed version rather than a copy that drifts.
 
-One policy per table, in ``db clean``'s order (sorted by table name, as ``run_cleanup`` goes through
-them), each with ``db clean``'s recency column as ``timestamp_column`` and its rules as ``condition``:
+One policy per table, in ``db clean``'s order (:func:`cleanup_order`: a table's ``dependent_tables``
+before it), each with ``db clean``'s recency column as ``timestamp_column`` and its rules as ``condition``:
 
 - ``extra_filters`` (compiled for PostgreSQL, the base table's alias renamed to the policy's);
 - ``keep_last`` (a DAG's latest non-manual run, a DAG's latest version): the row is kept when its
@@ -33,26 +33,55 @@ from airflow_retention.core.policy import RetentionPolicy
 
 log = logging.getLogger(__name__)
 
-# Rows db clean would delete that these policies keep: the rows of a run still running or queued, and a
-# DAG whose versions a task instance still references (db clean's delete fails on the RESTRICT key).
-_LIVE_RUN = "('running', 'queued')"
-GUARDS: dict[str, str] = {
-    "dag_run": "{t}.state IS NULL OR {t}.state NOT IN " + _LIVE_RUN,
-    "task_instance": (
-        "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.dag_id = {t}.dag_id AND live.run_id = {t}.run_id"
-        " AND live.state IN " + _LIVE_RUN + ")"
-    ),
-    "task_instance_history": (
-        "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.dag_id = {t}.dag_id AND live.run_id = {t}.run_id"
-        " AND live.state IN " + _LIVE_RUN + ")"
-    ),
-    "xcom": "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.id = {t}.dag_run_id AND live.state IN "
-    + _LIVE_RUN
-    + ")",
-    "dag": (
-        "NOT EXISTS (SELECT 1 FROM {s}.task_instance AS ti JOIN {s}.dag_version AS v ON v.id = ti.dag_version_id"
-        " WHERE v.dag_id = {t}.dag_id)"
-    ),
+# Rows db clean would delete that these policies keep: the rows of a run still running or queued (of the
+# run, its task instances and what hangs off them), a DAG whose versions a task instance still references
+# (db clean's delete fails on the RESTRICT key), and a trigger still in use (a deferred task, an asset
+# watcher, a callback: Trigger.clean_unused's rule). Per table: the tables a guard reads, and its SQL;
+# a guard is left out where the installed Airflow has no such table.
+_LIVE = "live.state IN ('running', 'queued')"
+_RUN_BY_KEYS = (
+    "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.dag_id = {t}.dag_id AND live.run_id = {t}.run_id AND "
+    + _LIVE
+    + ")"
+)
+GUARDS: dict[str, list[tuple[tuple[str, ...], str]]] = {
+    "dag_run": [((), "{t}.state IS NULL OR {t}.state NOT IN ('running', 'queued')")],
+    "task_instance": [(("dag_run",), _RUN_BY_KEYS)],
+    "task_instance_history": [(("dag_run",), _RUN_BY_KEYS)],
+    "xcom": [
+        (
+            ("dag_run",),
+            "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.id = {t}.dag_run_id AND " + _LIVE + ")",
+        )
+    ],
+    "task_state_store": [
+        (
+            ("dag_run",),
+            "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.id = {t}.dag_run_id AND " + _LIVE + ")",
+        )
+    ],
+    "deadline": [
+        (("dag_run",), "NOT EXISTS (SELECT 1 FROM {s}.dag_run AS live WHERE live.id = {t}.dagrun_id AND " + _LIVE + ")")
+    ],
+    "task_reschedule": [
+        (
+            ("task_instance", "dag_run"),
+            "NOT EXISTS (SELECT 1 FROM {s}.task_instance AS ti JOIN {s}.dag_run AS live"
+            " ON live.dag_id = ti.dag_id AND live.run_id = ti.run_id WHERE ti.id = {t}.ti_id AND " + _LIVE + ")",
+        )
+    ],
+    "dag": [
+        (
+            ("task_instance", "dag_version"),
+            "NOT EXISTS (SELECT 1 FROM {s}.task_instance AS ti JOIN {s}.dag_version AS v ON v.id = ti.dag_version_id"
+            " WHERE v.dag_id = {t}.dag_id)",
+        )
+    ],
+    "trigger": [
+        (("task_instance",), "NOT EXISTS (SELECT 1 FROM {s}.task_instance AS ti WHERE ti.trigger_id = {t}.id)"),
+        (("asset_watcher",), "NOT EXISTS (SELECT 1 FROM {s}.asset_watcher AS aw WHERE aw.trigger_id = {t}.id)"),
+        (("callback",), "NOT EXISTS (SELECT 1 FROM {s}.callback AS cb WHERE cb.trigger_id = {t}.id)"),
+    ],
 }
 # Tables db clean knows that a deployment may not have: the Celery result backend's (only when it lives in
 # the metadata database) and the archive an Airflow 2 -> 3 migration may have left. Left out unless named
@@ -60,8 +89,11 @@ GUARDS: dict[str, str] = {
 OPTIONAL_TABLES = ("_xcom_archive", "celery_taskmeta", "celery_tasksetmeta")
 METADATA_DAG_ID = "retention_airflow_metadata"
 SETTINGS_KEY = "airflow_metadata"
-# db clean's alias of the table being cleaned (airflow.utils.db_cleanup._BASE_TABLE_ALIAS).
-_BASE_ALIAS = re.compile(r"\bbase\.")
+# db clean's alias of the table being cleaned (airflow.utils.db_cleanup._BASE_TABLE_ALIAS), and SQL's
+# string literals, where it is left alone.
+_BASE_ALIAS = re.compile(r"(?<![\w.\"])base\.")
+_STRING_LITERAL = re.compile(r"'(?:[^']|'')*'")
+_UNQUALIFIED_TABLE = re.compile(r"\b(FROM|JOIN)\s+([a-z_][a-z0-9_]*)\b(?![.(])")
 
 
 @dataclass(frozen=True)
@@ -117,6 +149,27 @@ class TableRule:
     dag_id_column: str | None
 
 
+def cleanup_order(configs: Mapping[str, Any]) -> list[str]:
+    """The order ``db clean`` cleans its tables in: each table after its ``dependent_tables`` (depth first,
+    as ``_effective_table_names`` collects them), so that, for example, a deadline is removed before the
+    rule "a scheduled callback no deadline waits on" is decided. ``db clean`` starts from a Python set, so
+    its order among unrelated tables varies from one run to the next; here it is by name, every time."""
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in seen or name not in configs:
+            return
+        seen.add(name)
+        for dependent in sorted(configs[name].dependent_tables or []):
+            visit(dependent)
+        order.append(name)
+
+    for name in sorted(configs):
+        visit(name)
+    return order
+
+
 def cleanup_rules(schema: str = "public") -> list[TableRule]:
     """The installed Airflow's cleanup configuration, one rule per table in ``db clean``'s order."""
     from airflow.utils import db_cleanup
@@ -133,9 +186,19 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
             bind.type = String()
         bind.value = values if isinstance(bind.value, (list, tuple)) else values[0]
 
-    def sql(expr: Any) -> str:
+    def sql(expr: Any, alias: str) -> str:
         expr = visitors.cloned_traverse(expr, {}, {"bindparam": plain})
-        return str(expr.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+        text = str(expr.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
+        # Outside string literals only: db clean's correlated filters name the cleaned table by its alias
+        # (literal_column("base.id")), renamed; a filter's subquery reads the metadata tables of this
+        # schema, not the search path's (its lightweight table() carries no schema).
+        parts = _STRING_LITERAL.split(text)
+        literals = _STRING_LITERAL.findall(text)
+        out = [
+            _UNQUALIFIED_TABLE.sub(rf"\1 {quote_ident(schema)}.\2", _BASE_ALIAS.sub(f"{alias}.", part))
+            for part in parts
+        ]
+        return "".join(p + (literals[i] if i < len(literals) else "") for i, p in enumerate(out))
 
     from airflow.models import import_all_models
     from airflow.models.base import Base
@@ -143,11 +206,12 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
     import_all_models()
     models = Base.metadata.tables  # the installed Airflow's schema: which tables have the DAG id column
     rules = []
-    for name, config in sorted(db_cleanup.config_dict.items()):
+    for name in cleanup_order(db_cleanup.config_dict):
+        config = db_cleanup.config_dict[name]
         t = quote_ident(name)
         s = quote_ident(schema)
         recency = quote_ident(config.recency_column_name)
-        parts = [_BASE_ALIAS.sub(f"{t}.", sql(f)) for f in config.extra_filters or []]
+        parts = [sql(f, t) for f in config.extra_filters or []]
         for referencing, column in config.skip_if_referenced or []:
             parts.append(
                 f"NOT EXISTS (SELECT 1 FROM {s}.{quote_ident(referencing)} AS ref"
@@ -157,15 +221,16 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
             group = " AND ".join(
                 f"latest.{quote_ident(g)} = {t}.{quote_ident(g)}" for g in config.keep_last_group_by or []
             )
-            filters = " AND ".join(sql(f) for f in config.keep_last_filters or [])
+            filters = " AND ".join(sql(f, t) for f in config.keep_last_filters or [])
             where = " AND ".join(p for p in (group, filters) if p)
             parts.append(
                 f"{t}.{recency} IS DISTINCT FROM (SELECT max(latest.{recency}) FROM {s}.{t} AS latest"
                 + (f" WHERE {where}" if where else "")
                 + ")"
             )
-        if name in GUARDS:
-            parts.append(GUARDS[name].format(t=t, s=s))
+        for needs, guard in GUARDS.get(name, []):
+            if all(table in models for table in needs):
+                parts.append(guard.format(t=t, s=s))
         rules.append(
             TableRule(
                 table=name,
@@ -181,9 +246,12 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
     return rules
 
 
-def metadata_policies(settings: MetadataSettings, existing: set[str] | None = None) -> list[RetentionPolicy]:
+def metadata_policies(
+    settings: MetadataSettings, existing: set[str] | None = None, *, dag_id: str = "retention_airflow_metadata"
+) -> list[RetentionPolicy]:
     """One policy per table, in ``db clean``'s order.
 
+    :param dag_id: the DAG that runs them (the view's and the backfill hints' DAG).
     :param existing: the tables the metadata database has (``db clean`` skips the others); None: the
         tables of ``settings`` whether they exist or not (a missing one fails its plan, naming it).
     """
@@ -210,6 +278,7 @@ def metadata_policies(settings: MetadataSettings, existing: set[str] | None = No
             "retention": settings.retention,
             "condition": rule.condition,
             "ledger_schema": settings.ledger_schema,
+            "dag_id": dag_id,
         }
         if settings.dag_retention and rule.dag_id_column:
             data["tenant_column"] = rule.dag_id_column
@@ -230,13 +299,17 @@ def load_settings(path: str | Path) -> MetadataSettings:
 
 def build_metadata_dag(settings: MetadataSettings, *, dag_id: str = METADATA_DAG_ID, **group_kwargs: Any) -> Any:
     """One DAG for the metadata database: each table's plan → chunks → verify, one table after another in
-    ``db clean``'s order (a DAG's latest version is decided after its runs are purged, as there), on the
-    schedule of the policies (``policy: {schedule: ...}``, default daily), ``max_active_runs=1``."""
+    ``db clean``'s order (a DAG's latest version is decided after its runs are purged, as there), each
+    table's plan starting whatever became of the one before, and a last task, ``every_table_purged``,
+    that fails the run when any table failed; on the schedule of the policies (``policy: {schedule:
+    ...}``, default daily), ``max_active_runs=1``."""
+    from airflow.providers.standard.operators.empty import EmptyOperator
     from airflow.sdk import DAG, chain
+    from airflow.utils.trigger_rule import TriggerRule
 
     from airflow_retention.dag_factory import retention_task_group, task_defaults
 
-    policies = metadata_policies(settings)
+    policies = metadata_policies(settings, dag_id=dag_id)
     first = policies[0]
     with DAG(
         dag_id=dag_id,
@@ -249,7 +322,14 @@ def build_metadata_dag(settings: MetadataSettings, *, dag_id: str = METADATA_DAG
         description=f"Delete rows of Airflow's metadata database older than {settings.retention}, as airflow db clean",
         doc_md="\n\n".join(p.describe() for p in policies),
     ) as dag:
-        chain(*[retention_task_group(p, group_id=p.name, **group_kwargs) for p in policies])
+        groups = [retention_task_group(p, group_id=p.name, **group_kwargs) for p in policies]
+        for group in groups[1:]:
+            # One table after another, whatever became of the one before: a table that fails (a grant
+            # missing) does not keep the others from being purged.
+            group.children[f"{group.group_id}.plan"].trigger_rule = TriggerRule.ALL_DONE
+        chain(*groups)
+        # ... and the run fails when any table did: the run's state is its leaves'.
+        groups >> EmptyOperator(task_id="every_table_purged", trigger_rule=TriggerRule.ALL_SUCCESS)
     return dag
 
 

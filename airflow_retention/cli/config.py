@@ -100,6 +100,12 @@ def _metadata_policies(path: Path) -> list[Any] | None:
         return None  # the policies loader says what is wrong with the file
     if not isinstance(doc, dict) or "airflow_metadata" not in doc:
         return None
+    if set(doc) != {"airflow_metadata"}:
+        others = ", ".join(sorted(str(k) for k in doc if k != "airflow_metadata"))
+        raise CliError(
+            f"{path}: a file holds either policies (policies:, defaults:) or the metadata database's settings"
+            f" (airflow_metadata:), not both; found also {others}"
+        )
     if importlib.util.find_spec("airflow") is None:
         raise CliError(f"{path}: Airflow metadata settings need the installed Airflow (its db clean configuration)")
     from airflow_retention.metadata import load_settings, metadata_policies

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_retention.cli.timefmt import human_seconds, iso, short
-from airflow_retention.core.policy import DAG_ID_PREFIX
+from airflow_retention.core.policy import policy_dag_id
 from airflow_retention.core.verify import MISSED_RUNS_GRACE
 
 # A planned run with no committed batch for this long is reported stuck.
@@ -455,7 +455,7 @@ def backfill_command(policy: Any, missed: list[MissedRunInfo]) -> str:
     """The ``airflow backfill create`` command that runs every missed date (first to last) of the policy."""
     first, last = missed[0].anchor, missed[-1].anchor
     return (
-        f"airflow backfill create --dag-id {DAG_ID_PREFIX}{policy.name}"
+        f"airflow backfill create --dag-id {policy_dag_id(policy)}"
         f" --from-date {first:%Y-%m-%dT%H:%M:%SZ} --to-date {last:%Y-%m-%dT%H:%M:%SZ}"
     )
 

@@ -25,6 +25,7 @@ MAX_CHUNK_ROWS = 100_000_000
 DEFAULT_TARGET_CHUNK_MS = 45_000
 MIN_TARGET_CHUNK_MS = 1_000
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+_DAG_ID = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")
 DEFAULT_START_DATE = datetime(2025, 1, 1, tzinfo=timezone.utc)
 # The DAG of policy ``p`` built by the DAG factory is ``retention_<p>``.
 DAG_ID_PREFIX = "retention_"
@@ -237,6 +238,9 @@ class RetentionPolicy:
     :param retry_delay_ms: (YAML ``retry_delay``) the first retry's delay (``"30s"``); it doubles up to 10 minutes.
     :param tags: extra DAG tags.
     :param description: free text shown in the DAG's documentation.
+    :param dag_id: the DAG that runs the policy, when it is not ``retention_<name>`` (the policies of
+        Airflow's metadata database all run in ``retention_airflow_metadata``): the view, the command's
+        backfill hints and the DAG factory use it.
     """
 
     name: str
@@ -280,6 +284,7 @@ class RetentionPolicy:
     retry_delay_ms: int = 30_000
     tags: tuple[str, ...] = field(default_factory=tuple)
     description: str | None = None
+    dag_id: str | None = None
 
     def __post_init__(self) -> None:
         # Normalise and validate in place so that every way of building a policy ends up checked.
@@ -390,6 +395,8 @@ def _validated(policy: RetentionPolicy) -> dict[str, Any]:
         return PolicyError(name, field_name, problem)
 
     out: dict[str, Any] = {}
+    if policy.dag_id is not None and (not isinstance(policy.dag_id, str) or not _DAG_ID.match(policy.dag_id)):
+        raise fail("dag_id", f"{policy.dag_id!r} is not a DAG id (letters, digits, '_', '-' and '.', at most 250)")
 
     def convert(field_name: str, fn: Any, value: Any) -> Any:
         try:
@@ -613,6 +620,11 @@ def load_policies(path: str | Path) -> list[RetentionPolicy]:
 
 
 INVALID_POLICIES_DAG_ID = f"{DAG_ID_PREFIX}invalid_policies"
+
+
+def policy_dag_id(policy: RetentionPolicy) -> str:
+    """The id of the DAG that runs ``policy``: its ``dag_id``, else ``retention_<name>``."""
+    return policy.dag_id or f"{DAG_ID_PREFIX}{policy.name}"
 
 
 def problem_dag_ids(valid_names: Iterable[str], problems: Iterable[PolicyError]) -> dict[str, list[str]]:

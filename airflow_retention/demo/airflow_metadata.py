@@ -6,7 +6,8 @@ The data is a realistic mix, made in SQL on the schema ``airflow db migrate`` cr
 paused, one removed long ago, one with only manual runs), two versions per DAG, daily runs of every run
 type and state (failed ones, recent running ones, queued ones never started), task instances with
 retries (their earlier tries in ``task_instance_history``), skipped ones without a start date, an XCom
-per task that ran, ``log`` rows with and without a DAG, ``job`` heartbeats, reschedules and import errors.
+per task that ran, ``log`` rows with and without a DAG, ``job`` heartbeats, reschedules, import errors,
+unused triggers, callbacks in every state (some still waited on by a deadline) and task state.
 """
 
 from __future__ import annotations
@@ -117,6 +118,23 @@ SELECT CASE WHEN g %% 3 = 0 THEN NULL ELSE format('dag_%%s', lpad((g %% %(dags)s
        %(anchor)s::timestamptz - (g %% (%(days)s * 24)) * interval '1 hour' + interval '5 minutes',
        %(anchor)s::timestamptz - (g %% (%(days)s * 24)) * interval '1 hour' + interval '5 minutes', 'host', 'airflow'
 FROM generate_series(1, %(job_rows)s) g;
+-- Triggers nothing uses any more (Airflow's own clean_unused leaves these between its passes), callbacks
+-- in every state, two of them still waited on by a deadline, and task state of the runs.
+INSERT INTO trigger (classpath, kwargs, created_date)
+SELECT 'airflow.triggers.temporal.DateTimeTrigger', '{}', %(anchor)s::timestamptz - g * interval '7 days'
+FROM generate_series(1, 12) g;
+INSERT INTO callback (id, type, fetch_method, data, priority_weight, created_at, state)
+SELECT gen_random_uuid(), 'triggerer', 'import_path', '{}'::jsonb, 1, %(anchor)s::timestamptz - g * interval '6 days',
+       (ARRAY['success', 'failed', 'scheduled', 'queued', 'running', NULL])[1 + g %% 6]
+FROM generate_series(1, 24) g;
+INSERT INTO deadline (id, created_at, last_updated_at, dagrun_id, deadline_time, missed, callback_id)
+SELECT gen_random_uuid(), c.created_at, c.created_at, (SELECT min(id) FROM dag_run WHERE state = 'success'),
+       c.created_at + interval '1 hour',
+       false, c.id
+FROM callback c WHERE c.state = 'scheduled' AND c.created_at < %(anchor)s::timestamptz - interval '60 days';
+INSERT INTO task_state_store (dag_run_id, task_id, map_index, key, dag_id, run_id, value, updated_at, expires_at)
+SELECT r.id, 't0', -1, 'cursor', r.dag_id, r.run_id, '1', r.start_date, r.start_date + interval '20 days'
+FROM dag_run r WHERE r.start_date IS NOT NULL AND r.id %% 5 = 0;
 INSERT INTO import_error (timestamp, filename, bundle_name, stacktrace)
 SELECT %(anchor)s::timestamptz - g * interval '20 days', format('/dags/broken_%%s.py', g), 'dags-folder', 'Traceback'
 FROM generate_series(1, 6) g;
@@ -137,6 +155,10 @@ def seed_metadata(dsn: str, anchor: datetime, shape: MetadataShape = MetadataSha
 
 
 COMPARED = (
+    "trigger",
+    "callback",
+    "deadline",
+    "task_state_store",
     "dag",
     "dag_version",
     "dag_run",
@@ -236,8 +258,9 @@ def db_clean(home: Path, dsn: str, cutoff: datetime, *extra: str) -> float:
     done = airflow_cli(
         home, dsn, "db", "clean", "--clean-before-timestamp", cutoff.isoformat(), "--skip-archive", "--yes", *extra
     )
-    if done.returncode:
-        raise RuntimeError(f"airflow db clean failed ({done.returncode}): {done.stderr[-2000:]}")
+    # Without --error-on-cleanup-failure (Airflow 3.3) a table that failed still exits 0: read its output too.
+    if done.returncode or "Encountered error" in done.stdout + done.stderr:
+        raise RuntimeError(f"airflow db clean failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
     return time.monotonic() - started
 
 

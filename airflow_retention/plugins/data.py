@@ -21,11 +21,13 @@ from typing import Any
 from airflow_retention.cli.config import POLICIES_ENV, Target, connect, target_for
 from airflow_retention.cli.report import PolicyStatus, RunSummary, backfill_command, database_now, summarize_run
 from airflow_retention.core.ledger import ChunkSpec, Ledger
-from airflow_retention.core.policy import DAG_ID_PREFIX, RetentionPolicy
+from airflow_retention.core.policy import RetentionPolicy, policy_dag_id
 
 # Runs per policy in the chart (and read from the ledger); the table shows the newest RUNS_IN_TABLE of them.
 RUNS_SHOWN = 30
 RUNS_IN_TABLE = 10
+# The metadata DAG file's own variable (airflow_retention/scaffold/retention_airflow_metadata.py).
+METADATA_ENV = "AIRFLOW_RETENTION_METADATA"
 # A page must not hang on a slow ledger query.
 STATEMENT_TIMEOUT = "15s"
 
@@ -73,11 +75,41 @@ def read_policies(path: Path | None = None) -> PolicySet:
         policies, errors = [], [exc]
     by_dag = problem_dag_ids([p.name for p in policies], errors)
     problems = [PolicyProblem(dag, message) for dag, messages in by_dag.items() for message in messages]
+    if path is None:
+        metadata, problem = metadata_policies_shown()
+        policies = [*policies, *metadata]
+        problems += [problem] if problem is not None else []
     return PolicySet(source, policies, problems)
 
 
+def metadata_settings_file() -> Path:
+    """The settings of the metadata database's DAG (``init --airflow-metadata``), as its DAG file finds them:
+    ``$AIRFLOW_RETENTION_METADATA``, else ``retention_airflow_metadata.yaml`` in Airflow's dags folder."""
+    env = os.environ.get(METADATA_ENV)
+    if env:
+        return Path(env)
+    from airflow_retention.compat import conf
+    from airflow_retention.scaffold import METADATA_SETTINGS_FILE
+
+    return Path(conf.get("core", "dags_folder")) / METADATA_SETTINGS_FILE
+
+
+def metadata_policies_shown() -> tuple[list[RetentionPolicy], PolicyProblem | None]:
+    """The metadata database's policies (each table's), when its settings file exists; a problem under
+    its DAG when the file is wrong, as the DAG file shows it."""
+    from airflow_retention.metadata import METADATA_DAG_ID, load_settings, metadata_policies
+
+    path = metadata_settings_file()
+    if not path.is_file():
+        return [], None
+    try:
+        return metadata_policies(load_settings(path)), None
+    except Exception as exc:  # noqa: BLE001 - shown under the DAG, as its DAG file shows it
+        return [], PolicyProblem(METADATA_DAG_ID, f"{path}: {exc}")
+
+
 def dag_id(policy: RetentionPolicy) -> str:
-    return f"{DAG_ID_PREFIX}{policy.name}"
+    return policy_dag_id(policy)
 
 
 @dataclass(frozen=True)
