@@ -305,7 +305,6 @@ def build_metadata_dag(settings: MetadataSettings, *, dag_id: str = METADATA_DAG
     ...}``, default daily), ``max_active_runs=1``."""
     from airflow.providers.standard.operators.empty import EmptyOperator
     from airflow.sdk import DAG, chain
-    from airflow.utils.trigger_rule import TriggerRule
 
     from airflow_retention.dag_factory import retention_task_group, task_defaults
 
@@ -326,10 +325,10 @@ def build_metadata_dag(settings: MetadataSettings, *, dag_id: str = METADATA_DAG
         for group in groups[1:]:
             # One table after another, whatever became of the one before: a table that fails (a grant
             # missing) does not keep the others from being purged.
-            group.children[f"{group.group_id}.plan"].trigger_rule = TriggerRule.ALL_DONE
+            group.children[f"{group.group_id}.plan"].trigger_rule = "all_done"
         chain(*groups)
         # ... and the run fails when any table did: the run's state is its leaves'.
-        groups >> EmptyOperator(task_id="every_table_purged", trigger_rule=TriggerRule.ALL_SUCCESS)
+        groups >> EmptyOperator(task_id="every_table_purged", trigger_rule="all_success")
     return dag
 
 

@@ -189,3 +189,41 @@ def test_the_command_reads_the_metadata_settings_file_like_a_policies_file(tmp_p
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert "airflow_dag_run" in done.stdout and "airflow_log" in done.stdout, shown
+
+
+def test_per_dag_retention_keeps_each_dags_rows_for_its_own_period_and_counts_them_per_dag(metadata_db: str) -> None:
+    """``dag_retention``: dag_0001 a year, dag_0002 a week, the others the common 30 days; the ledger's
+    ``tenant_counts`` holds each DAG's rows deleted; log rows without a DAG stay (no tenant)."""
+    am.seed_metadata(metadata_db, ANCHOR, am.MetadataShape(dags=4, days=90, log_rows=4_000, job_rows=10))
+    settings = MetadataSettings(
+        conn_id="airflow_metadata",
+        retention=f"{RETENTION_DAYS} days",
+        dag_retention={"dag_0001": "365 days", "dag_0002": "7 days"},
+    )
+    policies = {p.name: p for p in metadata_policies(settings, am.existing_tables(metadata_db))}
+    assert policies["airflow_log"].tenant_column == "dag_id"
+    assert policies["airflow_task_reschedule"].tenant_column is None  # its model has no dag_id
+    nulls = am.scalar(metadata_db, "SELECT count(*) FROM log WHERE dag_id IS NULL")
+    am.run_policies(metadata_db, [policies["airflow_dag_run"], policies["airflow_log"]], RUN_DATE)
+
+    def oldest_days(dag_id: str, table: str = "log", column: str = "dttm") -> float:
+        return float(
+            am.scalar(
+                metadata_db,
+                f"SELECT extract(epoch FROM %(d)s - min({column})) / 86400 FROM {table} WHERE dag_id = %(g)s",
+                {"d": RUN_DATE, "g": dag_id},
+            )
+        )
+
+    assert oldest_days("dag_0001") > 60  # a year's retention: the 90 days stay
+    assert oldest_days("dag_0002") <= 7
+    assert 7 < oldest_days("dag_0000") <= RETENTION_DAYS
+    assert am.scalar(metadata_db, "SELECT count(*) FROM log WHERE dag_id IS NULL") == nulls
+    counted = dict(
+        am.rows(
+            metadata_db,
+            "SELECT c.tenant, sum(c.rows_deleted)::bigint FROM airflow_retention.tenant_counts c"
+            " JOIN airflow_retention.runs r USING (run_key) WHERE r.policy = 'airflow_log' GROUP BY c.tenant",
+        )
+    )
+    assert counted.get("dag_0002", 0) > counted.get("dag_0000", 0) > 0 and counted.get("dag_0001", 0) == 0, counted
