@@ -92,7 +92,7 @@ SETTINGS_KEY = "airflow_metadata"
 # db clean's alias of the table being cleaned (airflow.utils.db_cleanup._BASE_TABLE_ALIAS), and SQL's
 # string literals, where it is left alone.
 _BASE_ALIAS = re.compile(r"(?<![\w.\"])base\.")
-_STRING_LITERAL = re.compile(r"'(?:[^']|'')*'")
+_STRING_LITERAL = re.compile(r"('(?:[^']|'')*')")
 _UNQUALIFIED_TABLE = re.compile(r"\b(FROM|JOIN)\s+([a-z_][a-z0-9_]*)\b(?![.(])")
 
 
@@ -192,13 +192,11 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
         # Outside string literals only: db clean's correlated filters name the cleaned table by its alias
         # (literal_column("base.id")), renamed; a filter's subquery reads the metadata tables of this
         # schema, not the search path's (its lightweight table() carries no schema).
+        # The split keeps the literals (a capturing group) at the odd places.
         parts = _STRING_LITERAL.split(text)
-        literals = _STRING_LITERAL.findall(text)
-        out = [
-            _UNQUALIFIED_TABLE.sub(rf"\1 {quote_ident(schema)}.\2", _BASE_ALIAS.sub(f"{alias}.", part))
-            for part in parts
-        ]
-        return "".join(p + (literals[i] if i < len(literals) else "") for i, p in enumerate(out))
+        for i in range(0, len(parts), 2):
+            parts[i] = _UNQUALIFIED_TABLE.sub(rf"\1 {quote_ident(schema)}.\2", _BASE_ALIAS.sub(f"{alias}.", parts[i]))
+        return "".join(parts)
 
     from airflow.models import import_all_models
     from airflow.models.base import Base
@@ -247,7 +245,7 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
 
 
 def metadata_policies(
-    settings: MetadataSettings, existing: set[str] | None = None, *, dag_id: str = "retention_airflow_metadata"
+    settings: MetadataSettings, existing: set[str] | None = None, *, dag_id: str = METADATA_DAG_ID
 ) -> list[RetentionPolicy]:
     """One policy per table, in ``db clean``'s order.
 
@@ -291,9 +289,13 @@ def load_settings(path: str | Path) -> MetadataSettings:
     """The ``airflow_metadata:`` mapping of a YAML file (``airflow-retention init --airflow-metadata``)."""
     import yaml
 
-    doc = yaml.safe_load(Path(path).read_text())
+    return parse_settings(yaml.safe_load(Path(path).read_text()), str(path))
+
+
+def parse_settings(doc: Any, where: str) -> MetadataSettings:
+    """The settings of a YAML document read already (``where``: its file, for the error)."""
     if not isinstance(doc, dict) or not isinstance(doc.get(SETTINGS_KEY), dict):
-        raise ValueError(f"{path}: no '{SETTINGS_KEY}:' mapping (docs/airflow-metadata.md)")
+        raise ValueError(f"{where}: no '{SETTINGS_KEY}:' mapping (docs/airflow-metadata.md)")
     return MetadataSettings.from_dict(doc[SETTINGS_KEY])
 
 

@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
+import yaml
 from psycopg2.extensions import make_dsn
 
 from airflow_retention.demo import airflow_metadata as am
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn
-from airflow_retention.metadata import MetadataSettings, metadata_policies
+from airflow_retention.metadata import metadata_policies, parse_settings
 from airflow_retention.scaffold import METADATA_SETTINGS_FILE
 from airflow_retention.scaffold import source as scaffold_source
 
@@ -74,12 +75,6 @@ class LongestTransaction:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def load_settings_text(text: str) -> MetadataSettings:
-    import yaml
-
-    return MetadataSettings.from_dict(yaml.safe_load(text)["airflow_metadata"])
 
 
 def wal_lsn(dsn: str) -> int:
@@ -140,7 +135,7 @@ def main() -> int:
         for tool, dsn in copies.items():
             if tool == "policies":
                 # The settings init --airflow-metadata writes (batches of about 500 ms), at this retention.
-                scaffold = load_settings_text(scaffold_source(METADATA_SETTINGS_FILE))
+                scaffold = parse_settings(yaml.safe_load(scaffold_source(METADATA_SETTINGS_FILE)), "scaffold")
                 settings = dataclasses.replace(scaffold, retention=f"{RETENTION_DAYS} days")
                 policies = metadata_policies(settings, am.existing_tables(dsn))
                 results[tool] = measured(server, dsn, lambda d=dsn, p=policies: am.run_policies(d, p, run_date))

@@ -108,10 +108,10 @@ def _metadata_policies(path: Path) -> list[Any] | None:
         )
     if importlib.util.find_spec("airflow") is None:
         raise CliError(f"{path}: Airflow metadata settings need the installed Airflow (its db clean configuration)")
-    from airflow_retention.metadata import load_settings, metadata_policies
+    from airflow_retention.metadata import metadata_policies, parse_settings
 
     try:
-        return metadata_policies(load_settings(path))
+        return metadata_policies(parse_settings(doc, str(path)))
     except ValueError as exc:
         raise CliError(f"{path}: {exc}") from None
 

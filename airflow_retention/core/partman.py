@@ -78,6 +78,12 @@ def managed(conn_or_cur: Any, schema: str, names: list[str]) -> list[str]:
     return sorted(str(r[0]) for r in _fetch(conn_or_cur, sql, {"names": names}))
 
 
+def _manages_table(conn: Any, schema: str, policy: RetentionPolicy) -> bool:
+    """Whether partman manages the policy's table (or a partitioned relation below it)."""
+    names = partitioned_names(conn, policy.table) or [f"{policy.table.schema}.{policy.table.name}"]
+    return bool(managed(conn, schema, names))
+
+
 def check_plan(conn: Any, policy: RetentionPolicy, removed: list[TableName]) -> None:
     """At planning, before anything is removed: refuse a detach that partman would undo, and check that
     this role may read and delete partman's rows of the partitioned relations the plan removes whole
@@ -111,10 +117,9 @@ def check_plan(conn: Any, policy: RetentionPolicy, removed: list[TableName]) -> 
                 policy.table,
             )
         return
-    names = partitioned_names(conn, policy.table) or [f"{policy.table.schema}.{policy.table.name}"]
-    if not managed(conn, schema, names):
+    if not _manages_table(conn, schema, policy):
         return
-    check_detach(policy, schema, "nothing was detached")
+    check_detach(policy, schema)
     if policy.dry_run or not managed(conn, schema, below):
         return
     rows = _fetch(conn, "SELECT has_table_privilege(%(rel)s, 'DELETE')", {"rel": part_config.sql})
@@ -127,7 +132,7 @@ def check_plan(conn: Any, policy: RetentionPolicy, removed: list[TableName]) -> 
         )
 
 
-def check_detach(policy: RetentionPolicy, schema: str, outcome: str) -> None:
+def check_detach(policy: RetentionPolicy, schema: str) -> None:
     """On a set partman manages, a detached partition must leave the set's schema: refuse otherwise."""
     if policy.expired_partitions != "detach":
         return
@@ -138,7 +143,7 @@ def check_detach(policy: RetentionPolicy, schema: str, outcome: str) -> None:
         f" ({display_name(schema)}.part_config), and a partition detached under its own name in its own schema"
         " stays where partman looks for the child of its range: partman's partition_data_time would move late"
         " rows of the DEFAULT partition into it, out of the live table. Set detached_schema (a schema of its"
-        f" own, e.g. retention_detached) or use expired_partitions: drop; {outcome} (docs/partman.md)"
+        " own, e.g. retention_detached) or use expired_partitions: drop; nothing was detached (docs/partman.md)"
     )
 
 
@@ -150,9 +155,8 @@ def check_chunk(conn: Any, policy: RetentionPolicy) -> None:
     schema = installed(conn)
     if schema is None or not readable(conn, schema)[1]:
         return
-    names = partitioned_names(conn, policy.table) or [f"{policy.table.schema}.{policy.table.name}"]
-    if managed(conn, schema, names):
-        check_detach(policy, schema, "nothing was detached")
+    if _manages_table(conn, schema, policy):
+        check_detach(policy, schema)
 
 
 def forget(cur: Any, relation: TableName) -> list[str]:

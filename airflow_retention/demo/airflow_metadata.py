@@ -17,12 +17,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg2
 from psycopg2.extensions import make_dsn, parse_dsn
+
+from airflow_retention.demo.postgres import admin_execute, sqlalchemy_url
 
 
 @dataclass(frozen=True)
@@ -212,21 +214,12 @@ def checksums(dsn: str, before: datetime, tables: tuple[str, ...] = COMPARED) ->
 def clone_database(dsn: str, name: str) -> str:
     """``CREATE DATABASE name TEMPLATE <dsn's database>`` (no one may be connected to it); the clone's DSN."""
     source = parse_dsn(dsn)["dbname"]
-    admin = psycopg2.connect(make_dsn(dsn, dbname="postgres"))
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            cur.execute(f'CREATE DATABASE "{name}" TEMPLATE "{source}"')
-    finally:
-        admin.close()
+    admin_execute(
+        make_dsn(dsn, dbname="postgres"),
+        f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)',
+        f'CREATE DATABASE "{name}" TEMPLATE "{source}"',
+    )
     return make_dsn(dsn, dbname=name)
-
-
-def sqlalchemy_url(dsn: str) -> str:
-    p = parse_dsn(dsn)
-    auth = p.get("user", "postgres") + (f":{p['password']}" if p.get("password") else "")
-    return f"postgresql+psycopg2://{auth}@{p.get('host', '127.0.0.1')}:{p.get('port', '5432')}/{p['dbname']}"
 
 
 def airflow_env(home: Path, dsn: str) -> dict[str, str]:
@@ -320,8 +313,9 @@ def execute(dsn: str, sql: str, params: dict[str, Any] | None = None) -> None:
 
 
 def drop_database(dsn: str) -> None:
-    name = parse_dsn(dsn)["dbname"]
-    execute(make_dsn(dsn, dbname="postgres"), f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    admin_execute(
+        make_dsn(dsn, dbname="postgres"), f'DROP DATABASE IF EXISTS "{parse_dsn(dsn)["dbname"]}" WITH (FORCE)'
+    )
 
 
 def existing_tables(dsn: str, schema: str = "public") -> set[str]:
@@ -332,7 +326,3 @@ def existing_tables(dsn: str, schema: str = "public") -> set[str]:
             return {str(r[0]) for r in cur.fetchall()}
     finally:
         conn.close()
-
-
-def days_before(anchor: datetime, days: int) -> datetime:
-    return anchor - timedelta(days=days)

@@ -40,6 +40,20 @@ def resolve_dsn(explicit: str | None = None) -> str:
     return start_embedded()
 
 
+def sqlalchemy_url(dsn: str) -> str:
+    """A psycopg2 SQLAlchemy URL for a libpq DSN (TCP or Unix socket)."""
+    from urllib.parse import quote
+
+    from psycopg2.extensions import parse_dsn
+
+    p = parse_dsn(dsn)
+    auth = quote(p.get("user", "postgres")) + (f":{quote(p['password'])}" if p.get("password") else "")
+    host = p.get("host", "127.0.0.1")
+    if host.startswith("/"):
+        return f"postgresql+psycopg2://{auth}@/{p.get('dbname', 'postgres')}?host={quote(host)}"
+    return f"postgresql+psycopg2://{auth}@{host}:{p.get('port', 5432)}/{p.get('dbname', 'postgres')}"
+
+
 def admin_execute(server_dsn: str, *statements: str) -> None:
     """Run statements that cannot run in a transaction (CREATE / DROP DATABASE) on the server."""
     import psycopg2

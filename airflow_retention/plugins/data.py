@@ -35,13 +35,19 @@ STATEMENT_TIMEOUT = "15s"
 def policies_file() -> Path:
     """The policies file the DAG file reads: ``$AIRFLOW_RETENTION_POLICIES``, else ``retention_policies.yaml``
     in Airflow's dags folder (where ``airflow-retention init`` writes it)."""
-    env = os.environ.get(POLICIES_ENV)
-    if env:
-        return Path(env)
-    from airflow_retention.compat import conf
     from airflow_retention.scaffold import POLICIES_FILE
 
-    return Path(conf.get("core", "dags_folder")) / POLICIES_FILE
+    return _in_dags_folder(POLICIES_ENV, POLICIES_FILE)
+
+
+def _in_dags_folder(env: str, name: str) -> Path:
+    """``$env`` when set, else the file ``name`` in Airflow's dags folder."""
+    value = os.environ.get(env)
+    if value:
+        return Path(value)
+    from airflow_retention.compat import conf
+
+    return Path(conf.get("core", "dags_folder")) / name
 
 
 @dataclass(frozen=True)
@@ -85,13 +91,9 @@ def read_policies(path: Path | None = None) -> PolicySet:
 def metadata_settings_file() -> Path:
     """The settings of the metadata database's DAG (``init --airflow-metadata``), as its DAG file finds them:
     ``$AIRFLOW_RETENTION_METADATA``, else ``retention_airflow_metadata.yaml`` in Airflow's dags folder."""
-    env = os.environ.get(METADATA_ENV)
-    if env:
-        return Path(env)
-    from airflow_retention.compat import conf
     from airflow_retention.scaffold import METADATA_SETTINGS_FILE
 
-    return Path(conf.get("core", "dags_folder")) / METADATA_SETTINGS_FILE
+    return _in_dags_folder(METADATA_ENV, METADATA_SETTINGS_FILE)
 
 
 def metadata_policies_shown() -> tuple[list[RetentionPolicy], PolicyProblem | None]:

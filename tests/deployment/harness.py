@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from airflow_retention.demo.airflow_home import airflow_environment
-from airflow_retention.demo.postgres import admin_execute
+from airflow_retention.demo.postgres import admin_execute, sqlalchemy_url
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 REDIS_URL = os.environ.get("RETENTION_TEST_REDIS_URL", "redis://127.0.0.1:6379")
@@ -159,20 +159,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def sqlalchemy_url(dsn: str) -> str:
-    """A psycopg2 SQLAlchemy URL for a libpq DSN (TCP or Unix socket)."""
-    from urllib.parse import quote
-
-    from psycopg2.extensions import parse_dsn
-
-    p = parse_dsn(dsn)
-    auth = quote(p.get("user", "postgres")) + (f":{quote(p['password'])}" if p.get("password") else "")
-    host = p.get("host", "127.0.0.1")
-    if host.startswith("/"):
-        return f"postgresql+psycopg2://{auth}@/{p.get('dbname', 'postgres')}?host={quote(host)}"
-    return f"postgresql+psycopg2://{auth}@{host}:{p.get('port', 5432)}/{p.get('dbname', 'postgres')}"
 
 
 class Deployment:

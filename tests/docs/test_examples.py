@@ -237,14 +237,14 @@ def test_every_docs_example_runs_as_written(block: Block, example_env: str, tmp_
     if what == "metadata":
         # Policies of Airflow's own tables: built here, planned and run in a metadata database by
         # tests/metadata/test_side_by_side.py.
-        from airflow_retention.metadata import MetadataSettings, metadata_policies
+        from airflow_retention.metadata import metadata_policies, parse_settings
 
         if block.lang in ("python", "py"):
             namespace: dict[str, Any] = {"__name__": f"docs_example_{block.line}"}
             exec(compile(block.text, block.where, "exec"), namespace)
             assert namespace.get("policies"), f"{block.where}: no policy"
             return
-        settings = MetadataSettings.from_dict(yaml.safe_load(block.text)["airflow_metadata"])
+        settings = parse_settings(yaml.safe_load(block.text), block.where)
         assert metadata_policies(settings), f"{block.where}: no table"
         return
     if what == "partman":
