@@ -4,6 +4,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from airflow_retention.core.policy import RetentionPolicy, load_policies
+from airflow_retention.core.policy.model import RetentionPolicy, load_policies
 
 __all__ = ["RetentionPolicy", "__version__", "load_policies"]

@@ -12,7 +12,7 @@ from airflow.sdk import DAG, BaseOperator, TaskGroup
 
 from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF, AirflowFailException
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy import (
+from airflow_retention.core.policy.model import (
     DAG_ID_PREFIX,
     RetentionPolicy,
     load_policies_lenient,

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from airflow_retention.core.identifiers import quote_ident
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.identifiers import quote_ident
+from airflow_retention.core.policy.model import RetentionPolicy
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import logging
 from datetime import timedelta
 
 from airflow_retention.compat import stats
-from airflow_retention.core.engine import BatchReport
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import BatchReport
 
 log = logging.getLogger(__name__)
 

@@ -41,10 +41,10 @@ from psycopg2.extensions import make_dsn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airflow_retention.core import planner  # noqa: E402
-from airflow_retention.core.engine import run_chunk  # noqa: E402
-from airflow_retention.core.planner import plan_run  # noqa: E402
-from airflow_retention.core.policy import RetentionPolicy  # noqa: E402
+from airflow_retention.core.planning import planner  # noqa: E402
+from airflow_retention.core.planning.planner import plan_run  # noqa: E402
+from airflow_retention.core.policy.model import RetentionPolicy  # noqa: E402
+from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 
 DB = os.environ.get("RETENTION_BENCH_DB", "retention_backfill_bench")

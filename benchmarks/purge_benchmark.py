@@ -41,10 +41,10 @@ from psycopg2.extensions import make_dsn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airflow_retention.core.engine import run_chunk  # noqa: E402
-from airflow_retention.core.ledger import Ledger  # noqa: E402
-from airflow_retention.core.planner import compute_plan, plan_run  # noqa: E402
-from airflow_retention.core.policy import RetentionPolicy, policy_to_dict  # noqa: E402
+from airflow_retention.core.ledger.ledger import Ledger  # noqa: E402
+from airflow_retention.core.planning.planner import compute_plan, plan_run  # noqa: E402
+from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict  # noqa: E402
+from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 
 # A database of its own, recreated; RETENTION_BENCH_DB lets two benchmarks run side by side.
@@ -102,7 +102,7 @@ ELIGIBLE_OVERRIDES = (
 )
 BENCH_DAG = """
 import json, os
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.dag_factory import build_dag
 
 for data in json.loads(os.environ["BENCH_POLICIES"]):

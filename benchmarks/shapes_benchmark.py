@@ -54,9 +54,9 @@ from purge_benchmark import (  # noqa: E402
     wal_lsn,
 )
 
-from airflow_retention.core.engine import run_chunk  # noqa: E402
-from airflow_retention.core.planner import plan_run  # noqa: E402
-from airflow_retention.core.policy import RetentionPolicy  # noqa: E402
+from airflow_retention.core.planning.planner import plan_run  # noqa: E402
+from airflow_retention.core.policy.model import RetentionPolicy  # noqa: E402
+from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 
 DB = "retention_shapes_bench"

@@ -107,7 +107,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _watch(args: argparse.Namespace, policies: list[Any]) -> int:
     from airflow_retention.cli.report import running_run_keys
     from airflow_retention.cli.watch import follow
-    from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.ledger.ledger import Ledger
 
     if args.interval <= 0:
         raise CliError("--interval must be positive")
@@ -146,8 +146,8 @@ def _watch(args: argparse.Namespace, policies: list[Any]) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from airflow_retention.core.ledger import Ledger
-    from airflow_retention.core.planner import compute_plan
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.planning.planner import compute_plan
 
     policy = _one_policy(args)
     cutoff = run_cutoff(policy, args.date, args.cutoff)
@@ -232,9 +232,9 @@ def plan_json(policy: Any, preview: Any, stored: dict[str, Any] | None, date: st
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from airflow_retention.core.cutoff import run_key
-    from airflow_retention.core.ledger import Ledger
-    from airflow_retention.core.verify import measure_leftovers, verify_run
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.planning.cutoff import run_key
+    from airflow_retention.core.running.verify import measure_leftovers, verify_run
 
     policy = _one_policy(args)
     target = target_for(policy, args.dsn)
@@ -281,7 +281,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _no_ledger_verification(key: str) -> Any:
-    from airflow_retention.core.verify import Verification
+    from airflow_retention.core.running.verify import Verification
 
     return Verification(key, 0, 0, [], run_found=False)
 
@@ -350,7 +350,7 @@ def verify_json(
 def cmd_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from airflow_retention.core.policy import load_policies as load_policy_file
+    from airflow_retention.core.policy.model import load_policies as load_policy_file
     from airflow_retention.scaffold import POLICIES_FILE, next_steps, write_scaffold
 
     folder = Path(args.dags_folder).expanduser().absolute()
@@ -414,8 +414,8 @@ def _init_metadata(args: argparse.Namespace, folder: Path) -> int:
 
 
 def cmd_init_ledger(args: argparse.Namespace) -> int:
-    from airflow_retention.core.identifiers import check_ident
-    from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.policy.identifiers import check_ident
 
     results = []
     for target in _ledger_targets(args):

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _expected(exc: BaseException) -> bool:
     """The core's own errors and the driver's: a message is enough, a traceback would be noise."""
-    from airflow_retention.core.dbapi import is_driver_error
+    from airflow_retention.core.db.dbapi import is_driver_error
     from airflow_retention.core.errors import RetentionError
 
     return isinstance(exc, RetentionError) or is_driver_error(exc)

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from airflow_retention.cli.report import PolicyStatus, RunSummary, covered_line
 from airflow_retention.cli.timefmt import human_seconds, short
-from airflow_retention.core.ledger import ChunkSpec
+from airflow_retention.core.ledger.ledger import ChunkSpec
 
 # Piped output (files, CI logs, tests) gets wide tables instead of rich's 80 columns.
 PIPE_WIDTH = 160
@@ -51,7 +51,7 @@ def rows_text(run: RunSummary) -> str:
 
 def lag_text(run: RunSummary) -> str:
     if run.cleanup_lag_seconds is None:
-        # A large run leaves the walk to the next run's planning (core/verify.py, lag_left_to_next_run).
+        # A large run leaves the walk to the next run's planning (core/running/verify.py, lag_left_to_next_run).
         return "at next run" if run.state == "complete" and run.kind in ("planned", "dry-run") else "—"
     text = human_seconds(run.cleanup_lag_seconds)
     return f"{text}, {run.eligible_left:,} left" if run.eligible_left else text

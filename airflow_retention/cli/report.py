@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow_retention.cli.timefmt import human_seconds, iso, short
-from airflow_retention.core.policy import policy_dag_id
-from airflow_retention.core.verify import MISSED_RUNS_GRACE
+from airflow_retention.core.policy.model import policy_dag_id
+from airflow_retention.core.running.verify import MISSED_RUNS_GRACE
 
 # A planned run with no committed batch for this long is reported stuck.
 STUCK_AFTER = timedelta(hours=1)
@@ -189,7 +189,7 @@ def load_runs(conn: Any, ledger: Any, policy_name: str, limit: int, now: datetim
 
 
 def database_now(conn: Any) -> datetime:
-    from airflow_retention.core import dbapi
+    from airflow_retention.core.db import dbapi
 
     return dbapi.fetch_all(conn, "SELECT now()")[0][0]
 
@@ -264,7 +264,7 @@ def target_alert(conn: Any, policy: Any, *, privileges: bool = True) -> Alert | 
 
     :param privileges: also check the purge role's privileges on the table (only meaningful through the
         policy's own connection, not another role's ``--dsn``)."""
-    from airflow_retention.core.catalog import inspect_target
+    from airflow_retention.core.db.catalog import inspect_target
     from airflow_retention.core.errors import PermanentError, RetryableError, TableMissing
 
     try:
@@ -342,7 +342,7 @@ def policy_status(
     """Runs, missed scheduled runs and warnings of one policy, as of ``as_of`` (default: database now).
 
     :param privileges: check the purge role's privileges on the table too (the connection is the policy's)."""
-    from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.ledger.ledger import Ledger
 
     ledger = Ledger(policy.ledger_schema)
     now = database_now(conn)
@@ -384,7 +384,7 @@ def plan_failure_alerts(conn: Any, ledger: Any, policy: Any, runs: list[RunSumma
 
 def dead_letter_warnings(conn: Any, ledger: Any, runs: list[RunSummary]) -> list[Alert]:
     """Tenants a one-pass chunk could not purge and left (open dead letters), per run."""
-    from airflow_retention.core import dbapi
+    from airflow_retention.core.db import dbapi
 
     if ledger.version(conn) < 4:
         return []
@@ -412,9 +412,9 @@ def find_missed(
     conn: Any, ledger: Any, policy: Any, as_of: datetime
 ) -> tuple[list[MissedRunInfo], list[MissedRunInfo]]:
     """The scheduled dates of the window before ``as_of`` minus the grace hour (their run may be starting)
-    without a complete run (:func:`~airflow_retention.core.verify.missed_days`, as the verify task counts
+    without a complete run (:func:`~airflow_retention.core.running.verify.missed_days`, as the verify task counts
     them): those a backfill could still delete rows for, and those a later complete run covered."""
-    from airflow_retention.core.verify import missed_days
+    from airflow_retention.core.running.verify import missed_days
 
     days = missed_days(conn, ledger, policy, as_of - MISSED_RUNS_GRACE)
 

@@ -25,7 +25,7 @@ def parse_instant(value: str, option: str) -> datetime:
 def run_cutoff(policy: Any, date: str | None, cutoff: str | None) -> datetime:
     """The cutoff of the run of ``date`` (its data interval end or logical date, as the DAG anchors it):
     ``date - retention``; or the cutoff given directly."""
-    from airflow_retention.core.cutoff import freeze_cutoff
+    from airflow_retention.core.planning.cutoff import freeze_cutoff
 
     if cutoff is not None:
         return parse_instant(cutoff, "--cutoff")

@@ -107,7 +107,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     import yaml
 
     from airflow_retention.core.errors import RetentionError
-    from airflow_retention.core.policy import load_policies
+    from airflow_retention.core.policy.model import load_policies
 
     try:
         policies = load_policies(demo_policies(example, home / "retention_policies.yaml"))
@@ -142,8 +142,8 @@ def prepare(args: argparse.Namespace) -> Setup:
 def run(setup: Setup, started: float) -> int:
     import psycopg2
 
-    from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, run_key
-    from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.planning.cutoff import format_cutoff, freeze_cutoff, run_key
     from airflow_retention.demo.seed import seed_examples, snapshot, utc_day
 
     policies = setup.policies
@@ -199,8 +199,8 @@ def run(setup: Setup, started: float) -> int:
 
 def say_missed(conn: Any, policies: list[Any]) -> None:
     """What each policy's verify task of the last night warned about: the nights not complete in the ledger."""
-    from airflow_retention.core.ledger import Ledger
-    from airflow_retention.core.verify import missed_runs
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.running.verify import missed_runs
 
     missed = {
         p.name: [m.anchor.date().isoformat() for m in missed_runs(conn, Ledger(p.ledger_schema), p, *nights())]
@@ -280,8 +280,8 @@ def demo_policies(example: Path, copy: Path) -> Path:
 def checks(
     conn: Any, policies: list[Any], before: dict[str, Any], cutoffs: dict[str, Any], lines: list[RunLine]
 ) -> list[str]:
-    from airflow_retention.core.ledger import Ledger
-    from airflow_retention.core.verify import missed_runs
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.running.verify import missed_runs
     from airflow_retention.demo.seed import snapshot
 
     say("")
@@ -318,7 +318,7 @@ def checks(
 
 
 def dbapi_count(conn: Any, table_sql: str) -> int:
-    from airflow_retention.core import dbapi
+    from airflow_retention.core.db import dbapi
 
     return int(dbapi.fetch_all(conn, f"SELECT count(*) FROM {table_sql}")[0][0])
 

@@ -260,11 +260,11 @@ def db_clean(home: Path, dsn: str, cutoff: datetime, *extra: str) -> float:
 def run_policies(dsn: str, policies: list[Any], run_date: datetime) -> dict[str, Any]:
     """Each policy planned and run to the end (every chunk, verify), one after another in their order, as
     the metadata DAG chains them; returns per policy the rows deleted and the chunk count."""
-    from airflow_retention.core.cutoff import freeze_cutoff
-    from airflow_retention.core.engine import run_chunk
-    from airflow_retention.core.ledger import Ledger
-    from airflow_retention.core.planner import plan_run
-    from airflow_retention.core.verify import verify_run
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.core.planning.cutoff import freeze_cutoff
+    from airflow_retention.core.planning.planner import plan_run
+    from airflow_retention.core.running.engine import run_chunk
+    from airflow_retention.core.running.verify import verify_run
 
     conn = psycopg2.connect(dsn)
     out: dict[str, Any] = {}

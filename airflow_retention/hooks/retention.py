@@ -9,12 +9,12 @@ from typing import Any
 
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 
-from airflow_retention.core.cutoff import run_key as key_of_run
-from airflow_retention.core.engine import BatchReport, ChunkResult, run_chunk
-from airflow_retention.core.ledger import Attempt, ChunkSpec, Ledger
-from airflow_retention.core.planner import Plan, plan_run
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import (
+from airflow_retention.core.ledger.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.planning.cutoff import run_key as key_of_run
+from airflow_retention.core.planning.planner import Plan, plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import BatchReport, ChunkResult, run_chunk
+from airflow_retention.core.running.verify import (
     Leftovers,
     Verification,
     measure_leftovers,

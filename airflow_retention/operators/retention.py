@@ -13,15 +13,15 @@ from airflow.sdk import BaseOperator
 
 from airflow_retention import metrics
 from airflow_retention.compat import AirflowFailException, conf
-from airflow_retention.core import dbapi
-from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
-from airflow_retention.core.engine import ChunkResult, default_host
+from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError, PolicyError
-from airflow_retention.core.identifiers import TableName
-from airflow_retention.core.ledger import BLOCK_CHUNK_PREFIX, Attempt, ChunkSpec
-from airflow_retention.core.planner import chunk_key as make_chunk_key
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import Leftovers
+from airflow_retention.core.ledger.ledger import BLOCK_CHUNK_PREFIX, Attempt, ChunkSpec
+from airflow_retention.core.planning.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
+from airflow_retention.core.planning.planner import chunk_key as make_chunk_key
+from airflow_retention.core.policy.identifiers import TableName
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import ChunkResult, default_host
+from airflow_retention.core.running.verify import Leftovers
 from airflow_retention.hooks.retention import RetentionHook
 
 if TYPE_CHECKING:

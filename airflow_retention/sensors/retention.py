@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
 from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
-from airflow_retention.core.cutoff import format_cutoff, parse_cutoff
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.inflight import chunks_still_writing
-from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
-from airflow_retention.core.verify import (
+from airflow_retention.core.ledger.inflight import chunks_still_writing
+from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.planning.cutoff import format_cutoff, parse_cutoff
+from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict
+from airflow_retention.core.running.verify import (
     LAG_AT_VERIFY_TIMEOUT_MS,
     lag_left_to_next_run,
     missed_days,

@@ -59,7 +59,7 @@ class RetentionCompleteTrigger(BaseTrigger):
         )
 
     def _check(self) -> tuple[bool, list[str]]:
-        from airflow_retention.core.policy import RetentionPolicy
+        from airflow_retention.core.policy.model import RetentionPolicy
         from airflow_retention.hooks.retention import RetentionHook
 
         hook = RetentionHook(policy=RetentionPolicy.from_dict(self.policy))

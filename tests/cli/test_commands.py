@@ -13,10 +13,10 @@ import psycopg2
 import pytest
 
 from airflow_retention.cli.report import progress_of
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.ledger import SCHEMA_VERSION, Ledger
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.verify import measure_leftovers
+from airflow_retention.core.ledger.ledger import SCHEMA_VERSION, Ledger
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.running.verify import measure_leftovers
 
 from ..conftest import DSN
 from ..core.helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows, scalar
@@ -108,7 +108,7 @@ def test_plan_lists_each_partition_with_its_action(capsys: Any, admin: Any, sche
 def test_plan_marks_a_sample_estimate_and_shows_tenant_groups_only_for_tenant_key_chunks(
     capsys: Any, admin: Any, schema: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from airflow_retention.core import planner
+    from airflow_retention.core.planning import planner
 
     table = create_events(admin, schema)
     fill_events(admin, table, 2000)

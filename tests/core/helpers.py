@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 
 # A fixed instant in the past: plan_run refuses cutoffs in the future, and a fixed one keeps run keys stable.
 CUTOFF = datetime(2024, 6, 1, 12, 0, tzinfo=timezone.utc)
@@ -123,7 +123,7 @@ def policy_data(schema: str, **overrides: Any) -> dict[str, Any]:
         "retention": "30 days",
         "condition": CONDITION,
         "batch_size": 100,
-        "target_batch_time": 0,  # fixed batches: tests count them (tests/core/test_pacing.py adapts)
+        "target_batch_time": 0,  # fixed batches: tests count them (tests/core/running/test_pacing.py adapts)
         "chunk_rows": 100_000,
         "lock_timeout": "5s",
         "statement_timeout": "60s",

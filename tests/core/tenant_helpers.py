@@ -1,4 +1,4 @@
-"""Tables, policies and checks shared by the tenant tests (tests/core/test_tenants.py) and the tenant
+"""Tables, policies and checks shared by the tenant tests (tests/core/planning/test_tenants.py) and the tenant
 drills (tests/drills/test_tenant_drills.py)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.policy import RetentionPolicy, policy_to_dict
+from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict
+from airflow_retention.core.running.engine import run_chunk
 
 from .helpers import CUTOFF, create_events, fill_events, make_policy, rows
 
@@ -70,9 +70,9 @@ CHILD = r"""
 import json, logging, os, signal, sys, time
 from datetime import datetime
 import psycopg, psycopg2
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")  # to the test's file

@@ -27,9 +27,9 @@ import psycopg2
 import pytest
 import yaml
 
-from airflow_retention.core.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import RetentionPolicy, load_policies
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.policy.model import RetentionPolicy, load_policies
 from tests.conftest import DSN, REPO
 from tests.deployment.conftest import day, one
 from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget

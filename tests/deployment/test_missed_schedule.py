@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import missed_runs
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.verify import missed_runs
 from tests.deployment.conftest import day
 from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget
 from tests.deployment.test_scheduler import backfill, finished

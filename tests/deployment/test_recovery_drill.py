@@ -12,9 +12,9 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_retention.core.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.policy.model import RetentionPolicy
 from tests.deployment.conftest import day, one
 from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget, tcp_client_ports
 

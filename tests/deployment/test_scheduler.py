@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
-from airflow_retention.core.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.seed import snapshot
 from tests.deployment.conftest import ARTIFACTS, day, one
 from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget

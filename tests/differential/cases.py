@@ -452,7 +452,7 @@ def _months(anchor: datetime) -> list[datetime]:
 def target_alias_supported() -> bool:
     """Whether this version names the target row in a condition by the table's unqualified name (the
     correlated ``NOT EXISTS`` of the grammar needs it; docs/policies.md, "Referring to the row")."""
-    from airflow_retention.core import sql
+    from airflow_retention.core.sql import statements as sql
 
     return hasattr(sql, "target_from")
 

@@ -31,13 +31,13 @@ from typing import Any
 import psycopg2
 import yaml
 
-from airflow_retention.core.cutoff import freeze_cutoff
-from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
-from airflow_retention.core.ledger import ChunkSpec, Ledger
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import verify_run
+from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.running.verify import verify_run
 from tests.conftest import DSN, REPO, connect
 
 from .cases import STATUSES, UNFIT, Case, policy_for, quote, render_sql, sql_literal, ts_literal
@@ -202,7 +202,7 @@ def planner_knobs(knobs: dict[str, Any]) -> Iterator[None]:
     that a table of a few blocks takes the paths of a large one: a partial block sample
     (``sample_rows``), and block chunks bounded by the timestamp index (``bounded_gap``: any table size,
     ranges split after that many blocks without an eligible row)."""
-    from airflow_retention.core import planner
+    from airflow_retention.core.planning import planner
 
     saved = {name: getattr(planner, name) for name in ("BLOCK_SAMPLE_ROWS", "BOUNDED_MIN_BLOCKS", "BOUNDED_GAP_BLOCKS")}
     try:
@@ -735,9 +735,9 @@ WORKER = r"""
 import json, os, signal, sys, time
 from datetime import datetime
 import psycopg, psycopg2
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])
 conn = (psycopg.connect if args["driver"] == "psycopg" else psycopg2.connect)(args["dsn"])
@@ -751,7 +751,7 @@ run_chunk(conn, RetentionPolicy.from_dict(args["policy"]), datetime.fromisoforma
 def _kill_a_worker(run: CaseRun, case: Case, policy: RetentionPolicy, cutoff: datetime, chunk: ChunkSpec) -> None:
     """Run ``chunk`` in a worker process and SIGKILL it once the ledger shows ``after_batches`` + 1 batches
     (or at once for a partition chunk); the in-process retry that follows must finish the chunk."""
-    from airflow_retention.core.policy import policy_to_dict
+    from airflow_retention.core.policy.model import policy_to_dict
 
     args = {
         "driver": case.driver,

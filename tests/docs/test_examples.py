@@ -37,9 +37,9 @@ import psycopg2
 import pytest
 import yaml
 
-from airflow_retention.core.cutoff import freeze_cutoff
-from airflow_retention.core.planner import compute_plan
-from airflow_retention.core.policy import RetentionPolicy, load_policies
+from airflow_retention.core.planning.cutoff import freeze_cutoff
+from airflow_retention.core.planning.planner import compute_plan
+from airflow_retention.core.policy.model import RetentionPolicy, load_policies
 from airflow_retention.demo.postgres import airflow_connection_json
 
 from .conftest import RUN_DATE

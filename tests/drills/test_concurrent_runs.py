@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.ledger import ChunkSpec, Ledger
-from airflow_retention.core.planner import Plan, plan_run
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.planning.planner import Plan, plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
 from tests.conftest import connect
 from tests.core.helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows, start_and_join
 

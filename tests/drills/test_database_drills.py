@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 from psycopg2.extensions import make_dsn
 
-from airflow_retention.core.catalog import inspect_target
-from airflow_retention.core.engine import run_chunk
+from airflow_retention.core.db.catalog import inspect_target
 from airflow_retention.core.errors import PermanentError, RetryableError
-from airflow_retention.core.ledger import ChunkSpec, Ledger
-from airflow_retention.core.planner import Plan, plan_run
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.planning.planner import Plan, plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
 from tests.conftest import DSN, connect
 from tests.core.helpers import (
     CUTOFF,

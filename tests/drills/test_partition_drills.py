@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from psycopg2.extensions import make_dsn
 
-from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError, RetryableError
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.policy import policy_to_dict
-from airflow_retention.core.verify import verify_run
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.model import policy_to_dict
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.running.verify import verify_run
 from tests.conftest import DSN, connect
 from tests.core.helpers import CUTOFF, ledger_chunk, make_policy, rows, scalar, wait_for
 from tests.core.partition_helpers import create_monthly, eligible_count, pending_detach, relations_in
@@ -35,9 +35,9 @@ CHILD = r"""
 import json, os, signal, sys
 from datetime import datetime
 import psycopg, psycopg2
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.ledger import ChunkSpec
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])
 connect = psycopg.connect if args["driver"] == "psycopg" else psycopg2.connect

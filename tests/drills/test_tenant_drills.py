@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger import ChunkSpec, Ledger
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.verify import verify_run
+from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.running.verify import verify_run
 from tests.conftest import connect
 from tests.core.helpers import CUTOFF, ledger_chunk, rows, scalar, wait_for
 from tests.core.tenant_helpers import (

@@ -25,10 +25,10 @@ import psycopg2
 import pytest
 from psycopg2.extensions import make_dsn
 
-from airflow_retention.core.engine import run_chunk
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.pacing import read_pressure
-from airflow_retention.core.planner import plan_run
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.running.pacing import read_pressure
 from tests.conftest import connect
 from tests.core.helpers import (
     CUTOFF,

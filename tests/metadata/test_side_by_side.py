@@ -99,8 +99,8 @@ def test_the_policies_leave_exactly_the_rows_airflow_db_clean_leaves(
 
 def test_the_docs_python_example_plans_in_a_metadata_database(metadata_db: str) -> None:
     """docs/airflow-metadata.md's Python example, as written: its policies plan against Airflow's tables."""
-    from airflow_retention.core.cutoff import freeze_cutoff
-    from airflow_retention.core.planner import compute_plan
+    from airflow_retention.core.planning.cutoff import freeze_cutoff
+    from airflow_retention.core.planning.planner import compute_plan
 
     (block,) = [b for b in blocks("python", files=[DOC])]
     namespace: dict[str, object] = {"__name__": "docs_metadata_example"}

@@ -11,12 +11,12 @@ from typing import Any
 
 import psycopg2
 
-from airflow_retention.core.cutoff import freeze_cutoff
-from airflow_retention.core.engine import ChunkResult, run_chunk
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.planner import Plan, plan_run
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import verify_run
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff
+from airflow_retention.core.planning.planner import Plan, plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import ChunkResult, run_chunk
+from airflow_retention.core.running.verify import verify_run
 from airflow_retention.demo.postgres import admin_execute
 from tests.conftest import DSN
 

@@ -23,9 +23,9 @@ import psycopg2
 import pytest
 import yaml
 
-from airflow_retention.core.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.policy.model import RetentionPolicy
 from tests.conftest import DSN, REPO, throwaway_database
 from tests.deployment.harness import Deployment
 

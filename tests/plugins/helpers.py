@@ -15,12 +15,12 @@ from datetime import datetime, timedelta
 from html.parser import HTMLParser
 from typing import Any
 
-from airflow_retention.core.cutoff import freeze_cutoff
-from airflow_retention.core.engine import run_chunk
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.planner import plan_run
-from airflow_retention.core.policy import RetentionPolicy
-from airflow_retention.core.verify import measure_leftovers
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
+from airflow_retention.core.running.verify import measure_leftovers
 from tests.core.helpers import create_events, fill_events, policy_data
 
 CHUNK_ERROR = "lock timeout (SQLSTATE 55P03): canceling statement due to lock timeout"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.plugins.app import PUBLIC_PATHS, create_app
 from tests.deployment.harness import Deployment
 

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.postgres import airflow_connection_json
 from airflow_retention.plugins.data import PolicySet, ledger_session, load_panels, load_run
 from airflow_retention.plugins.render import overview_page, run_page
@@ -227,7 +227,7 @@ def test_a_reader_of_the_dag_but_not_of_the_connection_sees_no_database_or_role_
 ) -> None:
     """A failed plan's error is the driver's: it may name the database or the role. For a reader of the DAG
     who may not read the connection, every value of the connection is blanked from every message."""
-    from airflow_retention.core.ledger import Ledger
+    from airflow_retention.core.ledger.ledger import Ledger
 
     database, role = admin.info.dbname, admin.info.user
     conn = psycopg2.connect(DSN)

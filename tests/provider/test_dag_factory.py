@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 
 pytestmark = pytest.mark.airflow
 
@@ -89,7 +89,7 @@ def test_the_label_template_shows_the_result_once_known_else_the_range() -> None
 
 
 def test_a_chunks_result_in_a_few_words() -> None:
-    from airflow_retention.core.engine import ChunkResult
+    from airflow_retention.core.running.engine import ChunkResult
     from airflow_retention.operators.retention import outcome_text
 
     assert outcome_text(ChunkResult("r", "c", rows_deleted=12067), dry_run=False) == "12,067 deleted"

@@ -12,8 +12,8 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.policy.model import RetentionPolicy
 from tests.conftest import DAGS_FOLDER, E2E_DSN, REPO
 from tests.provider.conftest import load_dag, query, task_instances, utc
 

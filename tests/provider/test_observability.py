@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from airflow_retention.core import verify
-from airflow_retention.core.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.ledger import Ledger
-from airflow_retention.core.policy import load_policies
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
+from airflow_retention.core.policy.model import load_policies
+from airflow_retention.core.running import verify
 from tests.provider.conftest import TEST_POLICIES, load_dag, query, task_instances, utc
 
 pytestmark = pytest.mark.airflow

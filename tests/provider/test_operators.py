@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 
 pytestmark = pytest.mark.airflow
 

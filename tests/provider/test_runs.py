@@ -12,9 +12,9 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_retention.core.cutoff import format_cutoff, freeze_cutoff, run_key
-from airflow_retention.core.ledger import ChunkSpec, Ledger
-from airflow_retention.core.policy import load_policies
+from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.planning.cutoff import format_cutoff, freeze_cutoff, run_key
+from airflow_retention.core.policy.model import load_policies
 from tests.conftest import POLICIES_FILE
 from tests.provider.conftest import TEST_POLICIES, load_dag, query, resume, task_instances, utc, xcom_values
 
@@ -273,7 +273,7 @@ def test_verify_waits_only_for_a_chunk_still_written_after_its_task_ended(
 ) -> None:
     """Chunk tasks marked "success" while a process (a zombie) still writes their chunks: verify waits for
     it instead of failing, and completes the run once the ledger shows the chunks complete."""
-    from airflow_retention.core.engine import run_chunk
+    from airflow_retention.core.running.engine import run_chunk
     from tests.conftest import E2E_DSN
 
     policy = orders_policy()

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from airflow_retention.core.cutoff import freeze_cutoff
-from airflow_retention.core.policy import load_policies, policy_to_dict
+from airflow_retention.core.planning.cutoff import freeze_cutoff
+from airflow_retention.core.policy.model import load_policies, policy_to_dict
 from tests.provider.conftest import TEST_POLICIES, utc
 
 pytestmark = pytest.mark.airflow
@@ -24,8 +24,8 @@ def first_event(trigger: Any) -> dict[str, Any]:
 
 
 def test_trigger_times_out_naming_missing_chunks_then_fires_when_complete(target: Any) -> None:
-    from airflow_retention.core.engine import run_chunk
-    from airflow_retention.core.planner import plan_run
+    from airflow_retention.core.planning.planner import plan_run
+    from airflow_retention.core.running.engine import run_chunk
     from airflow_retention.triggers.retention import RetentionCompleteTrigger
 
     policy = next(p for p in load_policies(TEST_POLICIES) if p.name == "t_orders")
@@ -48,7 +48,7 @@ def test_trigger_times_out_naming_missing_chunks_then_fires_when_complete(target
 
 
 def test_trigger_hands_back_to_the_sensor_to_recheck_the_chunk_tasks(target: Any) -> None:
-    from airflow_retention.core.planner import plan_run
+    from airflow_retention.core.planning.planner import plan_run
     from airflow_retention.triggers.retention import RetentionCompleteTrigger
 
     policy = next(p for p in load_policies(TEST_POLICIES) if p.name == "t_orders")

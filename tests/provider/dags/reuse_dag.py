@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 from airflow.sdk import DAG, task
 
-from airflow_retention.core.policy import RetentionPolicy
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.dag_factory import retention_task_group
 from airflow_retention.operators.retention import RetentionChunkOperator
 
