@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from airflow_retention.core.policy.model import RetentionPolicy, load_policies
+from airflow_retention.core.policy.loading import load_policies
+from airflow_retention.core.policy.model import RetentionPolicy
 
 __all__ = ["RetentionPolicy", "__version__", "load_policies"]

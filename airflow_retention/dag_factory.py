@@ -12,13 +12,8 @@ from airflow.sdk import DAG, BaseOperator, TaskGroup
 
 from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF, AirflowFailException
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy.model import (
-    DAG_ID_PREFIX,
-    RetentionPolicy,
-    load_policies_lenient,
-    policy_dag_id,
-    problem_dag_ids,
-)
+from airflow_retention.core.policy.loading import load_policies_lenient, problem_dag_ids
+from airflow_retention.core.policy.model import DAG_ID_PREFIX, RetentionPolicy, policy_dag_id
 from airflow_retention.operators.retention import (
     CHUNK_LABEL_TEMPLATE,
     RetentionChunkOperator,

@@ -41,8 +41,8 @@ from psycopg2.extensions import make_dsn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from airflow_retention.core.planning import planner  # noqa: E402
 from airflow_retention.core.planning.planner import plan_run  # noqa: E402
+from airflow_retention.core.planning.walkers import blocks, keys, partitions  # noqa: E402
 from airflow_retention.core.policy.model import RetentionPolicy  # noqa: E402
 from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
@@ -178,12 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {args.backfills} backfilled days ...", flush=True)
         probed = runs(dsn, bench_policy("bench", condition), days)
         print(f"running the {args.backfills} days again without the probe ...", flush=True)
-        probe = planner.nothing_eligible
-        planner.nothing_eligible = lambda *_, **__: None  # type: ignore[assignment]
+        # Each walker's planning calls the probe by its own name for it.
+        walkers = (blocks, keys, partitions)
+        probe = blocks.nothing_eligible
+        for walker in walkers:
+            walker.nothing_eligible = lambda *_, **__: None  # type: ignore[assignment]
         try:
             unprobed = runs(dsn, bench_policy("bench_noprobe", condition), days)
         finally:
-            planner.nothing_eligible = probe  # type: ignore[assignment]
+            for walker in walkers:
+                walker.nothing_eligible = probe  # type: ignore[assignment]
     finally:
         if not args.keep:
             admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')

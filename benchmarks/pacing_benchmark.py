@@ -50,7 +50,8 @@ sys.path.insert(0, str(BENCH.parent))
 import purge_benchmark as pb  # noqa: E402
 
 from airflow_retention.core.planning.planner import plan_run  # noqa: E402
-from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict  # noqa: E402
+from airflow_retention.core.policy.loading import policy_to_dict  # noqa: E402
+from airflow_retention.core.policy.model import RetentionPolicy  # noqa: E402
 from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 

@@ -105,7 +105,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace, policies: list[Any]) -> int:
-    from airflow_retention.cli.report import running_run_keys
+    from airflow_retention.cli.runs import running_run_keys
     from airflow_retention.cli.watch import follow
     from airflow_retention.core.ledger.ledger import Ledger
 
@@ -288,7 +288,7 @@ def _no_ledger_verification(key: str) -> Any:
 
 def _latest_cutoff(conn: Any, ledger: Any, policy: Any) -> datetime | None:
     """The cutoff of the policy's latest planned run (of its mode; lone runs left out)."""
-    from airflow_retention.cli.report import run_kind
+    from airflow_retention.cli.runs import run_kind
 
     wanted = "dry-run" if policy.dry_run else "planned"
     runs = [r for r in ledger.recent_runs(conn, policy.name, limit=20) if run_kind(r["run_key"]) == wanted]
@@ -350,7 +350,7 @@ def verify_json(
 def cmd_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from airflow_retention.core.policy.model import load_policies as load_policy_file
+    from airflow_retention.core.policy.loading import load_policies as load_policy_file
     from airflow_retention.scaffold import POLICIES_FILE, next_steps, write_scaffold
 
     folder = Path(args.dags_folder).expanduser().absolute()

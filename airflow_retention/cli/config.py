@@ -69,7 +69,7 @@ def load_policy_file(explicit: str | None) -> tuple[list[Any], list[Any]]:
     """The valid policies of the file and the errors (``PolicyError``) of the bad ones, each also reported
     on stderr. No file at all, or one that cannot be read, is an error."""
     from airflow_retention.core.errors import PolicyError
-    from airflow_retention.core.policy.model import load_policies_lenient
+    from airflow_retention.core.policy.loading import load_policies_lenient
 
     path = policies_path(explicit)
     if path is None:

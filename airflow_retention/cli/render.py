@@ -13,9 +13,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from airflow_retention.cli.report import PolicyStatus, RunSummary, covered_line
+from airflow_retention.cli.report import PolicyStatus, covered_line
+from airflow_retention.cli.runs import RunSummary
 from airflow_retention.cli.timefmt import human_seconds, short
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 
 # Piped output (files, CI logs, tests) gets wide tables instead of rich's 80 columns.
 PIPE_WIDTH = 160

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from airflow_retention.cli.report import Progress, run_progress
+from airflow_retention.cli.runs import Progress, run_progress
 from airflow_retention.cli.timefmt import iso
 
 

@@ -107,7 +107,7 @@ def prepare(args: argparse.Namespace) -> Setup:
     import yaml
 
     from airflow_retention.core.errors import RetentionError
-    from airflow_retention.core.policy.model import load_policies
+    from airflow_retention.core.policy.loading import load_policies
 
     try:
         policies = load_policies(demo_policies(example, home / "retention_policies.yaml"))

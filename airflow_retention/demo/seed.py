@@ -13,7 +13,7 @@ from airflow_retention.core.db import dbapi
 from airflow_retention.core.db.catalog import inspect_target
 from airflow_retention.core.policy.identifiers import quote_ident
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.statements import MAX_KEY, MIN_KEY, eligibility, target_from
+from airflow_retention.core.sql.predicate import MAX_KEY, MIN_KEY, eligibility, target_from
 
 SCHEMA_SQL = """
 DROP TABLE IF EXISTS public.webhook_deliveries, public.tenant_events, public.api_requests;

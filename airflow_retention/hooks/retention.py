@@ -9,7 +9,8 @@ from typing import Any
 
 from airflow.providers.postgres.hooks.postgres import PostgresHook
 
-from airflow_retention.core.ledger.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import Attempt, ChunkSpec
 from airflow_retention.core.planning.cutoff import run_key as key_of_run
 from airflow_retention.core.planning.planner import Plan, plan_run
 from airflow_retention.core.policy.model import RetentionPolicy

@@ -1,4 +1,5 @@
-"""Operators of airflow-retention: plan a run, purge one chunk."""
+"""Operators of airflow-retention: plan a run, purge one chunk, vacuum after a run. What a task reads from
+its Airflow context (the run's date and cutoff, who runs this try) is in :mod:`.context`."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from airflow_retention import metrics
 from airflow_retention.compat import AirflowFailException, conf
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError, PolicyError
-from airflow_retention.core.ledger.ledger import BLOCK_CHUNK_PREFIX, Attempt, ChunkSpec
-from airflow_retention.core.planning.cutoff import format_cutoff, freeze_cutoff, parse_cutoff, run_anchor
-from airflow_retention.core.planning.planner import chunk_key as make_chunk_key
+from airflow_retention.core.ledger.records import BLOCK_CHUNK_PREFIX, ChunkSpec
+from airflow_retention.core.planning.cutoff import format_cutoff, freeze_cutoff, parse_cutoff
+from airflow_retention.core.planning.walkers.keys import chunk_key as make_chunk_key
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.running.engine import ChunkResult, default_host
+from airflow_retention.core.running.engine import ChunkResult
 from airflow_retention.core.running.verify import Leftovers
 from airflow_retention.hooks.retention import RetentionHook
+from airflow_retention.operators.context import anchor_from_context, attempt_from_context
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -32,34 +34,6 @@ RUN_XCOM_KEY = "run"
 # it runs) and again after it with the same context, on success and on failure (3.0.2+): a chunk that
 # ran puts its range and result under ``chunk_label``; one that failed keeps the range alone.
 CHUNK_LABEL_TEMPLATE = "{{ chunk_label if chunk_label is defined else task.chunk_label }}"
-
-
-def anchor_from_context(context: Context) -> datetime:
-    """The instant the run stands for: its data interval end, else logical date, else run_after."""
-    return run_anchor(
-        data_interval_end=context.get("data_interval_end"),
-        logical_date=context.get("logical_date"),
-        run_after=getattr(context.get("dag_run"), "run_after", None),
-    )
-
-
-def cutoff_from_context(policy: RetentionPolicy, context: Context) -> datetime:
-    """The run's frozen cutoff: its data interval end, else logical date, else run_after, minus retention."""
-    return freeze_cutoff(policy, anchor_from_context(context))
-
-
-def attempt_from_context(context: Context) -> Attempt:
-    """Who runs this try: recorded in the ledger as ``<Airflow's hostname for the TI>:<pid>`` (Airflow's
-    ``[core] hostname_callable`` names Celery workers apart even on one machine)."""
-    ti = context["ti"]
-    map_index = getattr(ti, "map_index", None)
-    return Attempt(
-        dag_id=ti.dag_id,
-        run_id=ti.run_id,
-        map_index=map_index if map_index is not None and map_index >= 0 else None,
-        try_number=getattr(ti, "try_number", None),
-        host=default_host(getattr(ti, "hostname", None)),
-    )
 
 
 def outcome_text(result: ChunkResult, *, dry_run: bool, chunk_rows_deleted: int | None = None) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-from airflow_retention.cli.report import RunSummary
+from airflow_retention.cli.runs import RunSummary
 from airflow_retention.cli.timefmt import human_seconds
 
 WIDTH, HEIGHT = 760, 220

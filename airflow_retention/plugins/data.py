@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from airflow_retention.cli.config import POLICIES_ENV, Target, connect, target_for
-from airflow_retention.cli.report import PolicyStatus, RunSummary, backfill_command, database_now, summarize_run
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.cli.report import PolicyStatus, backfill_command, database_now
+from airflow_retention.cli.runs import RunSummary, summarize_run
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.policy.model import RetentionPolicy, policy_dag_id
 
 # Runs per policy in the chart (and read from the ledger); the table shows the newest RUNS_IN_TABLE of them.
@@ -72,7 +74,7 @@ class PolicySet:
 
 def read_policies(path: Path | None = None) -> PolicySet:
     from airflow_retention.core.errors import PolicyError
-    from airflow_retention.core.policy.model import load_policies_lenient, problem_dag_ids
+    from airflow_retention.core.policy.loading import load_policies_lenient, problem_dag_ids
 
     source = path or policies_file()
     try:

@@ -12,8 +12,10 @@ from datetime import datetime
 from html import escape
 from urllib.parse import urlencode
 
+from airflow_retention.cli.alerts import ALWAYS_FAILING
 from airflow_retention.cli.render import lag_text, rows_text
-from airflow_retention.cli.report import ALWAYS_FAILING, RunSummary, covered_line
+from airflow_retention.cli.report import covered_line
+from airflow_retention.cli.runs import RunSummary
 from airflow_retention.cli.timefmt import short
 from airflow_retention.plugins.chart import runs_chart
 from airflow_retention.plugins.data import RUNS_IN_TABLE, ChunkView, PolicyPanel, PolicySet, RunDetail, dag_id

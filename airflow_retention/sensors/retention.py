@@ -13,21 +13,18 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
 from airflow_retention.core.errors import RetryableError
 from airflow_retention.core.ledger.inflight import chunks_still_writing
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.cutoff import format_cutoff, parse_cutoff
-from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict
+from airflow_retention.core.policy.loading import policy_to_dict
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.verify import (
     LAG_AT_VERIFY_TIMEOUT_MS,
     lag_left_to_next_run,
     missed_days,
 )
 from airflow_retention.hooks.retention import RetentionHook
-from airflow_retention.operators.retention import (
-    RUN_XCOM_KEY,
-    anchor_from_context,
-    attempt_from_context,
-    report_lag,
-)
+from airflow_retention.operators.context import anchor_from_context, attempt_from_context
+from airflow_retention.operators.retention import RUN_XCOM_KEY, report_lag
 from airflow_retention.triggers.retention import RetentionCompleteTrigger
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_retention.cli.report import progress_of
-from airflow_retention.core.ledger.ledger import SCHEMA_VERSION, Ledger
+from airflow_retention.cli.runs import progress_of
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.schema import SCHEMA_VERSION
 from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers
@@ -108,13 +109,13 @@ def test_plan_lists_each_partition_with_its_action(capsys: Any, admin: Any, sche
 def test_plan_marks_a_sample_estimate_and_shows_tenant_groups_only_for_tenant_key_chunks(
     capsys: Any, admin: Any, schema: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from airflow_retention.core.planning import planner
+    from airflow_retention.core.planning.walkers import blocks
 
     table = create_events(admin, schema)
     fill_events(admin, table, 2000)
     eligible = len(eligible_ids(admin, table))
     # A sample of about a quarter of the 2,000 rows: the plan's rows are an estimate, and say so.
-    monkeypatch.setattr(planner, "BLOCK_SAMPLE_ROWS", 500)
+    monkeypatch.setattr(blocks, "BLOCK_SAMPLE_ROWS", 500)
     path = write_policies(tmp_path / "policies.yaml", policy_data(schema, chunk_by="block", tenant_column="tenant_id"))
     args = ["--policies", str(path), "--dsn", DSN, "plan", "events_purge", "--date", RUN_DATE]
     found = run_cli(capsys, *args, "--json").json()

@@ -20,7 +20,7 @@ from psycopg2.extensions import make_dsn
 
 from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import load_policies
+from airflow_retention.core.policy.loading import load_policies
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.demo.__main__ import NIGHTLY, demo_policies
 from airflow_retention.demo.postgres import admin_execute, airflow_connection_json

@@ -46,7 +46,7 @@ def test_init_writes_both_files_and_prints_the_next_steps(tmp_path: Path, capsys
 
 
 def test_init_names_the_pools_the_policies_use(tmp_path: Path) -> None:
-    from airflow_retention.core.policy.model import load_policies
+    from airflow_retention.core.policy.loading import load_policies
     from airflow_retention.scaffold import next_steps
 
     path = tmp_path / POLICIES_FILE

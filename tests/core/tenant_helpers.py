@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict
+from airflow_retention.core.policy.loading import policy_to_dict
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import run_chunk
 
 from .helpers import CUTOFF, create_events, fill_events, make_policy, rows
@@ -71,7 +72,7 @@ import json, logging, os, signal, sys, time
 from datetime import datetime
 import psycopg, psycopg2
 from airflow_retention.core.running.engine import run_chunk
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from airflow_retention.core.planning.cutoff import freeze_cutoff
-from airflow_retention.core.policy.model import RetentionPolicy, load_policies
+from airflow_retention.core.policy.loading import load_policies
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.seed import seed_examples
 from tests.conftest import DSN, REPO, throwaway_database
 from tests.deployment.harness import Deployment, DeploymentTimeout

@@ -29,7 +29,8 @@ import yaml
 
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.policy.model import RetentionPolicy, load_policies
+from airflow_retention.core.policy.loading import load_policies
+from airflow_retention.core.policy.model import RetentionPolicy
 from tests.conftest import DSN, REPO
 from tests.deployment.conftest import day, one
 from tests.deployment.harness import TEST_TIMEOUT, Deployment, budget

@@ -452,9 +452,16 @@ def _months(anchor: datetime) -> list[datetime]:
 def target_alias_supported() -> bool:
     """Whether this version names the target row in a condition by the table's unqualified name (the
     correlated ``NOT EXISTS`` of the grammar needs it; docs/policies.md, "Referring to the row")."""
-    from airflow_retention.core.sql import statements as sql
+    import importlib
 
-    return hasattr(sql, "target_from")
+    # The module that holds it moved over the versions: core/sql.py, then core/sql/predicate.py.
+    for name in ("airflow_retention.core.sql.predicate", "airflow_retention.core.sql"):
+        try:
+            if hasattr(importlib.import_module(name), "target_from"):
+                return True
+        except ImportError:
+            continue
+    return False
 
 
 @st.composite

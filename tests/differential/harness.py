@@ -32,7 +32,8 @@ import psycopg2
 import yaml
 
 from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.policy.model import RetentionPolicy
@@ -202,19 +203,32 @@ def planner_knobs(knobs: dict[str, Any]) -> Iterator[None]:
     that a table of a few blocks takes the paths of a large one: a partial block sample
     (``sample_rows``), and block chunks bounded by the timestamp index (``bounded_gap``: any table size,
     ranges split after that many blocks without an eligible row)."""
-    from airflow_retention.core.planning import planner
+    import importlib
 
-    saved = {name: getattr(planner, name) for name in ("BLOCK_SAMPLE_ROWS", "BOUNDED_MIN_BLOCKS", "BOUNDED_GAP_BLOCKS")}
+    # The module that reads each knob (it moved over the versions: core/planner.py, then the walkers).
+    homes = ("airflow_retention.core.planning.walkers.blocks", "airflow_retention.core.planning.walkers.spans",
+             "airflow_retention.core.planner")  # fmt: skip
+    modules = {}
+    for name in ("BLOCK_SAMPLE_ROWS", "BOUNDED_MIN_BLOCKS", "BOUNDED_GAP_BLOCKS"):
+        for home in homes:
+            try:
+                module = importlib.import_module(home)
+            except ImportError:
+                continue
+            if hasattr(module, name):
+                modules[name] = module
+                break
+    saved = {name: getattr(module, name) for name, module in modules.items()}
     try:
         if knobs.get("sample_rows"):
-            planner.BLOCK_SAMPLE_ROWS = knobs["sample_rows"]
+            modules["BLOCK_SAMPLE_ROWS"].BLOCK_SAMPLE_ROWS = knobs["sample_rows"]
         if knobs.get("bounded_gap") is not None:
-            planner.BOUNDED_MIN_BLOCKS = 0
-            planner.BOUNDED_GAP_BLOCKS = knobs["bounded_gap"]
+            modules["BOUNDED_MIN_BLOCKS"].BOUNDED_MIN_BLOCKS = 0
+            modules["BOUNDED_GAP_BLOCKS"].BOUNDED_GAP_BLOCKS = knobs["bounded_gap"]
         yield
     finally:
         for name, value in saved.items():
-            setattr(planner, name, value)
+            setattr(modules[name], name, value)
 
 
 def plan_kwargs(anchor: datetime) -> dict[str, Any]:
@@ -736,7 +750,7 @@ import json, os, signal, sys, time
 from datetime import datetime
 import psycopg, psycopg2
 from airflow_retention.core.running.engine import run_chunk
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])
@@ -751,7 +765,7 @@ run_chunk(conn, RetentionPolicy.from_dict(args["policy"]), datetime.fromisoforma
 def _kill_a_worker(run: CaseRun, case: Case, policy: RetentionPolicy, cutoff: datetime, chunk: ChunkSpec) -> None:
     """Run ``chunk`` in a worker process and SIGKILL it once the ledger shows ``after_batches`` + 1 batches
     (or at once for a partition chunk); the in-process retry that follows must finish the chunk."""
-    from airflow_retention.core.policy.model import policy_to_dict
+    from airflow_retention.core.policy.loading import policy_to_dict
 
     args = {
         "driver": case.driver,

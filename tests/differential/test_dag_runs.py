@@ -16,7 +16,7 @@ import pytest
 import yaml
 from hypothesis import example, given
 
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
 from airflow_retention.core.policy.model import RetentionPolicy
 from tests.conftest import DAGS_FOLDER, E2E_DSN

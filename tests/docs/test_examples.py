@@ -39,7 +39,8 @@ import yaml
 
 from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import compute_plan
-from airflow_retention.core.policy.model import RetentionPolicy, load_policies
+from airflow_retention.core.policy.loading import load_policies
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.postgres import airflow_connection_json
 
 from .conftest import RUN_DATE

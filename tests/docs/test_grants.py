@@ -21,12 +21,13 @@ import psycopg2
 import pytest
 from psycopg2.extensions import make_dsn
 
-from airflow_retention.core.planning.cutoff import freeze_cutoff
-from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import RetentionPolicy, load_policies, policy_to_dict
+from airflow_retention.core.policy.loading import load_policies, policy_to_dict
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers, measure_pending_lag, missed_runs, verify_run
 from airflow_retention.demo.postgres import admin_execute
 from tests.conftest import DSN, throwaway_database

@@ -16,7 +16,8 @@ import pytest
 
 from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import RetentionPolicy, load_policies
+from airflow_retention.core.policy.loading import load_policies
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.postgres import airflow_connection_json
 from tests.conftest import DAGS_FOLDER
 from tests.provider.conftest import xcom_values

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.planner import Plan, plan_run
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import run_chunk

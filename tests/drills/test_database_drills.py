@@ -15,7 +15,8 @@ from psycopg2.extensions import make_dsn
 
 from airflow_retention.core.db.catalog import inspect_target
 from airflow_retention.core.errors import PermanentError, RetryableError
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.planner import Plan, plan_run
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import run_chunk

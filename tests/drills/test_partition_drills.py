@@ -22,7 +22,7 @@ from psycopg2.extensions import make_dsn
 from airflow_retention.core.errors import PermanentError, RetryableError
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import policy_to_dict
+from airflow_retention.core.policy.loading import policy_to_dict
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import verify_run
 from tests.conftest import DSN, connect
@@ -36,7 +36,7 @@ import json, os, signal, sys
 from datetime import datetime
 import psycopg, psycopg2
 from airflow_retention.core.running.engine import run_chunk
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import verify_run

@@ -15,7 +15,7 @@ import pytest
 from psycopg2.extensions import make_dsn
 
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.policy.model import load_policies
+from airflow_retention.core.policy.loading import load_policies
 from tests.conftest import throwaway_database
 from tests.docs.markdown import REPO, Block, blocks
 

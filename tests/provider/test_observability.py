@@ -15,7 +15,7 @@ import pytest
 
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.policy.model import load_policies
+from airflow_retention.core.policy.loading import load_policies
 from airflow_retention.core.running import verify
 from tests.provider.conftest import TEST_POLICIES, load_dag, query, task_instances, utc
 

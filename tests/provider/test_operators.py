@@ -33,7 +33,7 @@ def context(**values: object) -> dict[str, object]:
     ],
 )
 def test_cutoff_comes_from_the_run(ctx: dict[str, object], expected: str) -> None:
-    from airflow_retention.operators.retention import cutoff_from_context
+    from airflow_retention.operators.context import cutoff_from_context
 
     cutoff = cutoff_from_context(POLICY, ctx)  # type: ignore[arg-type]
     assert cutoff.isoformat().startswith(expected)
@@ -41,7 +41,7 @@ def test_cutoff_comes_from_the_run(ctx: dict[str, object], expected: str) -> Non
 
 
 def test_two_runs_of_one_date_share_the_cutoff() -> None:
-    from airflow_retention.operators.retention import cutoff_from_context
+    from airflow_retention.operators.context import cutoff_from_context
 
     first = cutoff_from_context(POLICY, context(data_interval_end=D))  # type: ignore[arg-type]
     second = cutoff_from_context(POLICY, context(data_interval_end=D))  # type: ignore[arg-type]
@@ -49,7 +49,7 @@ def test_two_runs_of_one_date_share_the_cutoff() -> None:
 
 
 def test_a_run_without_any_date_is_refused() -> None:
-    from airflow_retention.operators.retention import cutoff_from_context
+    from airflow_retention.operators.context import cutoff_from_context
 
     with pytest.raises(PermanentError, match="no data interval end"):
         cutoff_from_context(POLICY, context())  # type: ignore[arg-type]

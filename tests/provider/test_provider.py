@@ -123,7 +123,7 @@ def test_a_duplicate_name_keeps_the_first_policy_and_reports_the_second_apart() 
 
 
 def test_an_invalid_schedule_is_reported_with_its_policy(tmp_path: Path) -> None:
-    from airflow_retention.core.policy.model import load_policies_lenient
+    from airflow_retention.core.policy.loading import load_policies_lenient
     from airflow_retention.dag_factory import build_dags
 
     text = (REPO / "dags" / "retention_policies.yaml").read_text()

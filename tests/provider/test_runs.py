@@ -12,9 +12,10 @@ from typing import Any
 import psycopg2
 import pytest
 
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.cutoff import format_cutoff, freeze_cutoff, run_key
-from airflow_retention.core.policy.model import load_policies
+from airflow_retention.core.policy.loading import load_policies
 from tests.conftest import POLICIES_FILE
 from tests.provider.conftest import TEST_POLICIES, load_dag, query, resume, task_instances, utc, xcom_values
 

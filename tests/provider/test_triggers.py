@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.planning.cutoff import freeze_cutoff
-from airflow_retention.core.policy.model import load_policies, policy_to_dict
+from airflow_retention.core.policy.loading import load_policies, policy_to_dict
 from tests.provider.conftest import TEST_POLICIES, utc
 
 pytestmark = pytest.mark.airflow

@@ -51,8 +51,10 @@ def newcomer_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_no_test_harness_and_installs_next_to_airflow(newcomer_bin: Path) -> None:
     py = newcomer_bin / "python"
-    assert run(py, "-c", "import airflow; print(airflow.__version__)").strip() == AIRFLOW_VERSION
-    files = run(py, "-c", "import importlib.metadata as m; print('\\n'.join(map(str, m.files('airflow-retention'))))")
+    # -I: the installed wheel's metadata, not a checkout's egg-info found through the working directory.
+    assert run(py, "-I", "-c", "import airflow; print(airflow.__version__)").strip() == AIRFLOW_VERSION
+    listing = "import importlib.metadata as m; print('\\n'.join(map(str, m.files('airflow-retention'))))"
+    files = run(py, "-I", "-c", listing)
     assert "airflow_retention/scaffold/retention_policies.yaml" in files
     assert "airflow_retention/scaffold/retention_dags.py" in files
     assert "deployment.py" not in files and "tests/" not in files

@@ -9,7 +9,8 @@ from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError, TableMissing
 from airflow_retention.core.policy.identifiers import TableName, display_name, quote_ident
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.statements import RELATION_KIND, SCHEMA_STATE, TABLE_PRIVILEGES, condition_probe
+from airflow_retention.core.sql.catalog import RELATION_KIND, SCHEMA_STATE, TABLE_PRIVILEGES
+from airflow_retention.core.sql.predicate import condition_probe
 from airflow_retention.core.sql.target import TargetInfo
 
 log = logging.getLogger(__name__)

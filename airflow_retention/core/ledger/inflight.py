@@ -13,7 +13,8 @@ from datetime import timedelta
 from typing import Any
 
 from airflow_retention.core.db import dbapi
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 
 # A live chunk commits a batch every fraction of a second (``target_batch_time``), or pauses a few
 # seconds under database pressure; a minute without a batch means its process is gone.

@@ -27,82 +27,23 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from airflow_retention.core.db import dbapi, partman
 from airflow_retention.core.db.catalog import check_detached_schema, require_privileges
-from airflow_retention.core.policy.identifiers import TableName
-from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.statements import (
-    PARTITION_BOUNDS,
-    PARTITION_TREE,
-    bound_check_statement,
-    eligible_exists_statement,
-    ineligible_exists_statement,
-)
-from airflow_retention.core.sql.target import TargetInfo
-
-if TYPE_CHECKING:
-    from airflow_retention.core.planning.planner import BoundedBlocks
 from airflow_retention.core.planning.tenants import TenantCutoffs
+from airflow_retention.core.planning.tree import PartitionDecision, Relation, read_tree
+from airflow_retention.core.planning.walkers.blocks import block_ranges, sample_blocks
+from airflow_retention.core.planning.walkers.spans import BoundedBlocks, bounded_ranges, index_bounded_blocks
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.sql.catalog import PARTITION_BOUNDS
+from airflow_retention.core.sql.partitions import bound_check_statement, ineligible_exists_statement
+from airflow_retention.core.sql.reads import eligible_exists_statement
+from airflow_retention.core.sql.target import TargetInfo
 
 log = logging.getLogger(__name__)
 
 _RANGE_BOUND = re.compile(r"^FOR VALUES FROM \((?P<lo>.*)\) TO \((?P<hi>.*)\)$", re.S)
-
-
-@dataclass(frozen=True)
-class Relation:
-    """One relation of a partitioned table's tree, as the catalog describes it at planning."""
-
-    oid: int
-    parent: int | None
-    level: int
-    pending_detach: bool
-    kind: str  # 'r' table, 'p' partitioned, 'f' foreign
-    table: TableName
-    bound: str | None
-    blocks: int | None
-    reltuples: float
-    strategy: str | None  # of a partitioned relation: 'r' range, 'l' list, 'h' hash
-    key_column: str | None
-
-    @property
-    def rows_estimate(self) -> int:
-        return max(0, round(self.reltuples))
-
-
-@dataclass(frozen=True)
-class PartitionDecision:
-    """What the plan does with one partition: the CLI's plan preview shows these."""
-
-    relation: Relation
-    action: str  # 'drop', 'detach', 'delete rows', 'skip'
-    rows: int  # estimated rows (partition chunks: the whole partition; delete rows: the eligible ones)
-    reason: str
-    chunks: int = 0
-
-
-def read_tree(conn: Any, policy: RetentionPolicy) -> dict[int, Relation]:
-    rows = dbapi.fetch_all(
-        conn, PARTITION_TREE, {"rel": policy.table.regclass_literal}, lock_timeout_ms=policy.lock_timeout_ms
-    )
-    tree = {}
-    for oid, parent, level, pending, kind, schema, name, bound, blocks, reltuples, strategy, key in rows:
-        tree[int(oid)] = Relation(
-            oid=int(oid),
-            parent=int(parent) if parent is not None else None,
-            level=int(level),
-            pending_detach=bool(pending),
-            kind=kind,
-            table=TableName(schema, name),
-            bound=bound,
-            blocks=int(blocks) if blocks is not None else None,
-            reltuples=float(reltuples or 0.0),
-            strategy=strategy,
-            key_column=key,
-        )
-    return tree
 
 
 def _literal(text: str) -> str | None:
@@ -215,8 +156,6 @@ def survey(
 
     :param blocks_per_s: the policy's measured rate of block chunks (timing the leaves' exact counts).
     """
-    from airflow_retention.core.planning.planner import index_bounded_blocks, sample_blocks
-
     tree = read_tree(conn, policy)
     flags = time_bounds(conn, policy, target, cutoffs, tree)
     # A tenant cap counts deleted rows per tenant: whole partitions would go past it uncounted.
@@ -281,34 +220,11 @@ def survey(
         if not leaf.blocks:
             decisions.append(PartitionDecision(leaf, "skip", 0, "empty"))
             continue
-        require_privileges(conn, policy, leaf.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
-        percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, leaf.table, leaf.reltuples)
-        estimate = round(sum(n for _, n in sampled) * scale)
-        blocks = int(leaf.blocks)
-        bounded = index_bounded_blocks(
-            conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table, blocks_per_s=blocks_per_s
-        )
-        if bounded is not None:
-            if bounded.rows == 0:
-                decisions.append(PartitionDecision(leaf, "skip", 0, "no eligible row"))
-                continue
-            row_leaves.append(RowLeaf(leaf, sampled, scale, bounded.rows, bounded))
-            decisions.append(PartitionDecision(leaf, "delete rows", bounded.rows, bounded.describe(blocks)))
-            continue
-        if estimate == 0:
-            probe = dbapi.fetch_all(
-                conn,
-                eligible_exists_statement(policy, target, leaf.table),
-                cutoffs.params(),
-                lock_timeout_ms=policy.lock_timeout_ms,
-            )
-            if not probe[0][0]:
-                decisions.append(PartitionDecision(leaf, "skip", 0, "no eligible row"))
-                continue
-            estimate = 1
-        row_leaves.append(RowLeaf(leaf, sampled, scale, estimate))
-        why = "wholly expired, kept rows" if unit is not None and acting else f"{percent:.2f} % sample"
-        decisions.append(PartitionDecision(leaf, "delete rows", estimate, why))
+        kept = unit is not None and acting  # wholly expired, yet purged row by row
+        row_leaf, decision = _leaf_rows(conn, policy, target, cutoffs, leaf, kept, blocks_per_s)
+        decisions.append(decision)
+        if row_leaf is not None:
+            row_leaves.append(row_leaf)
     plan = PartitionPlan(actions=list(actions.values()), row_leaves=row_leaves, decisions=decisions)
     if plan.actions and not policy.dry_run:
         check_detached_schema(conn, policy)
@@ -325,6 +241,44 @@ def survey(
         sum(1 for d in decisions if d.action == "skip"),
     )
     return plan
+
+
+def _leaf_rows(
+    conn: Any,
+    policy: RetentionPolicy,
+    target: TargetInfo,
+    cutoffs: TenantCutoffs,
+    leaf: Relation,
+    kept: bool,
+    blocks_per_s: float | None,
+) -> tuple[RowLeaf | None, PartitionDecision]:
+    """A leaf whose rows are deleted in batches: where its eligible rows are (an exact count through an
+    index, else a sample; a sample that finds none is checked by one probe), or a skip when it has none.
+    ``kept``: a wholly expired partition that stays for the rows it keeps."""
+    require_privileges(conn, policy, leaf.table, ("SELECT",) if policy.dry_run else ("SELECT", "DELETE"))
+    percent, scale, sampled = sample_blocks(conn, policy, target, cutoffs, leaf.table, leaf.reltuples)
+    estimate = round(sum(n for _, n in sampled) * scale)
+    blocks = int(leaf.blocks)
+    bounded = index_bounded_blocks(
+        conn, policy, target, cutoffs, blocks, len(sampled) * scale, leaf.table, blocks_per_s=blocks_per_s
+    )
+    if bounded is not None:
+        if bounded.rows == 0:
+            return None, PartitionDecision(leaf, "skip", 0, "no eligible row")
+        row_leaf = RowLeaf(leaf, sampled, scale, bounded.rows, bounded)
+        return row_leaf, PartitionDecision(leaf, "delete rows", bounded.rows, bounded.describe(blocks))
+    if estimate == 0:
+        probe = dbapi.fetch_all(
+            conn,
+            eligible_exists_statement(policy, target, leaf.table),
+            cutoffs.params(),
+            lock_timeout_ms=policy.lock_timeout_ms,
+        )
+        if not probe[0][0]:
+            return None, PartitionDecision(leaf, "skip", 0, "no eligible row")
+        estimate = 1
+    why = "wholly expired, kept rows" if kept else f"{percent:.2f} % sample"
+    return RowLeaf(leaf, sampled, scale, estimate), PartitionDecision(leaf, "delete rows", estimate, why)
 
 
 def needs_row_check(policy: RetentionPolicy) -> bool:
@@ -359,8 +313,6 @@ def _require_ownership(conn: Any, policy: RetentionPolicy, tree: dict[int, Relat
 
 def split_leaves(leaves: Iterable[RowLeaf], size: int) -> list[list[tuple[int, int, int]]]:
     """Block ranges (lo, hi, estimated rows) of each leaf at ``size`` estimated rows per chunk."""
-    from airflow_retention.core.planning.planner import block_ranges, bounded_ranges
-
     return [
         bounded_ranges(leaf.bounded.spans, size)
         if leaf.bounded is not None

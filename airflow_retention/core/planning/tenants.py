@@ -5,7 +5,7 @@ was frozen from), checks each tenant value against the tenant column's type, and
 ledger with the plan (``tenant_cutoffs``). Chunk tasks and the verify sensor read them back from the
 ledger, never from the policy, so a change of the map or of the lookup table takes effect at the next
 run, never in the middle of one. Every statement then tests each row against its own tenant's cutoff
-(:func:`airflow_retention.core.sql.statements.eligibility`), and leaves out the tenants that reached
+(:func:`airflow_retention.core.sql.predicate.eligibility`), and leaves out the tenants that reached
 ``max_rows_per_tenant`` in this run.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.planning.cutoff import require_run_date
 from airflow_retention.core.policy.durations import Retention
 from airflow_retention.core.policy.identifiers import quote_ident
 from airflow_retention.core.policy.model import RetentionPolicy, has_per_tenant_rules
@@ -51,7 +52,7 @@ class TenantCutoffs:
         return max([self.cutoff, *(c for _, _, c, _ in self.overrides)])
 
     def params(self) -> dict[str, Any]:
-        """The query parameters of :func:`~airflow_retention.core.sql.statements.eligibility`."""
+        """The query parameters of :func:`~airflow_retention.core.sql.predicate.eligibility`."""
         return {
             "cutoff": self.cutoff,
             "ot": [t for t, _, _, _ in self.overrides],
@@ -254,3 +255,15 @@ def as_printed(
             )
         out[tenant] = printed
     return out
+
+
+def freeze_tenant_cutoffs(
+    conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, run_date: datetime | None
+) -> TenantCutoffs:
+    """The run's per-tenant cutoffs (``tenant_retention``, ``tenant_retention_table``), each its tenant's
+    retention before ``run_date``, the run's own date: never a date rebuilt from the cutoff when months
+    make that ambiguous (:func:`~airflow_retention.core.planning.cutoff.require_run_date` refuses). A policy
+    without per-tenant retention has the run's cutoff alone."""
+    if policy.tenant_column is None or not (policy.tenant_retention or policy.tenant_retention_table is not None):
+        return TenantCutoffs(cutoff)
+    return compute(conn, policy, target, cutoff, require_run_date(policy, cutoff, run_date))

@@ -2,10 +2,11 @@
 (``drop``) instead of deleted row by row.
 
 First, whenever it runs, the chunk checks that its action is still wanted, never on the plan's word
-alone: it does no more than both its plan and the policy as it is now allow (:func:`wanted_action`),
-and the partition's bound, read from the catalog in that transaction, must prove every row expired at
-the run's frozen cutoff (:func:`~airflow_retention.core.planning.partitions.expired_by_bound`); otherwise the
-partition is ``kept``. Then one of two ways:
+alone: it does no more than both its plan and the policy as it is now allow
+(:func:`~airflow_retention.core.running.partition_checks.wanted_action`), and the partition's bound,
+read from the catalog in that transaction, must prove every row expired at the run's frozen cutoff
+(:func:`~airflow_retention.core.planning.partitions.expired_by_bound`); otherwise the partition is
+``kept``. Then one of two ways:
 
 - **concurrent** (no ``condition``, no tenant column, no DEFAULT partition beside it):
   ``DETACH PARTITION … CONCURRENTLY`` in autocommit (SHARE UPDATE EXCLUSIVE on the parent: queries on
@@ -29,6 +30,9 @@ retry runs ``DETACH … FINALIZE``; killed after the claimed detach → the retr
 detached, sees in the ledger that the detach was its own, counts and completes. A partition detached
 without that record, or dropped, by someone else completes the chunk with 0 rows (``partition_gone``)
 and is never dropped. Lock waits stop at ``lock_timeout`` and the chunk fails retryable; nothing is lost.
+
+What the chunk reads before it acts (the partition's state, the action still wanted, the census of its
+rows) lives in :mod:`~airflow_retention.core.running.partition_checks`; this module owns the acts.
 """
 
 from __future__ import annotations
@@ -42,18 +46,18 @@ from airflow_retention.core.db import dbapi, partman
 from airflow_retention.core.db.catalog import check_detached_schema
 from airflow_retention.core.db.move import move_to_schema
 from airflow_retention.core.errors import PermanentError, RetentionError, RetryableError
-from airflow_retention.core.ledger.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import Attempt, ChunkSpec
 from airflow_retention.core.planning.partitions import expired_by_bound, needs_row_check
 from airflow_retention.core.planning.tenants import TenantCutoffs
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.statements import (
-    PARTITION_STATE,
+from airflow_retention.core.running.partition_checks import Census, census, partition_state, wanted_action
+from airflow_retention.core.sql.partitions import (
     detach_statement,
     drop_statement,
     ineligible_exists_statement,
     lock_statement,
-    partition_census_statement,
 )
 from airflow_retention.core.sql.target import TargetInfo
 
@@ -63,100 +67,12 @@ log = logging.getLogger(__name__)
 CLIENT_CHECK_INTERVAL = "1s"
 
 
-@dataclass(frozen=True)
-class PartitionState:
-    """A partition as the catalog shows it now (found by the oid recorded at planning)."""
-
-    table: TableName
-    parent_oid: int | None
-    parent: TableName | None
-    pending_detach: bool
-    parent_has_default: bool
-    in_table: bool  # still a partition of the policy's table (directly or below)
-
-    @property
-    def attached(self) -> bool:
-        return self.parent_oid is not None
-
-
-def partition_state(cur: Any, policy: RetentionPolicy, oid: int) -> PartitionState | None:
-    """The partition's state now, or None when no relation has that oid any more (dropped)."""
-    cur.execute(PARTITION_STATE, {"oid": oid, "root": policy.table.regclass_literal})
-    row = cur.fetchone()
-    if row is None:
-        return None
-    schema, name, parent_oid, parent_schema, parent_name, pending, has_default, in_table = row
-    return PartitionState(
-        table=TableName(schema, name),
-        parent_oid=int(parent_oid) if parent_oid is not None else None,
-        parent=TableName(parent_schema, parent_name) if parent_oid is not None else None,
-        pending_detach=bool(pending),
-        parent_has_default=bool(has_default),
-        in_table=bool(in_table),
-    )
-
-
-def gone_reason(state: PartitionState | None, planned: TableName) -> str | None:
-    """Why a leaf planned for block chunks can no longer be purged through the policy's table, if so."""
-    if state is None:
-        return "was dropped"
-    if state.table != planned:
-        return f"was renamed to {state.table}"
-    if not state.attached or not state.in_table:
-        return "was detached"
-    if state.pending_detach:
-        return "is being detached (pending detach)"
-    return None
-
-
 @dataclass
 class PartitionOutcome:
     rows: int
     outcome: str  # 'dropped', 'detached', 'kept', 'partition_gone', 'dry_run'
     already_complete: bool = False
     how: str = ""
-
-
-def wanted_action(policy: RetentionPolicy, planned: str) -> tuple[str | None, str]:
-    """What a partition chunk may do when it runs: never more than both its plan and the policy as it is
-    now allow (``drop`` only when both drop; ``detach`` when either detaches), and nothing when the policy
-    no longer removes partitions whole. Returns the action (None: keep the partition) and, when the
-    policy changed since planning, why the chunk does less than planned."""
-    now = policy.expired_partitions
-    if now not in ("detach", "drop"):
-        return None, (
-            f"the policy's expired_partitions is {now!r} now (planned: {planned}): nothing is removed whole,"
-            " its eligible rows are deleted in batches by the next run"
-        )
-    if policy.max_rows_per_tenant:
-        return None, (
-            "the policy caps rows per tenant now (max_rows_per_tenant): its eligible rows are deleted in batches"
-            " by the next run"
-        )
-    if planned == "drop" and now == "drop":
-        return "drop", ""
-    if planned == "drop":
-        return "detach", "planned to drop it, the policy detaches now: detached, not dropped"
-    return "detach", ""
-
-
-@dataclass(frozen=True)
-class Census:
-    """A partition's rows, counted in one scan: all of them, those the policy keeps, and per tenant."""
-
-    rows: int
-    kept: int
-    tenants: list[tuple[str, int]]
-
-
-def census(cur: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, table: TableName) -> Census:
-    cur.execute(partition_census_statement(policy, target, table), cutoffs.params())
-    found = cur.fetchall()
-    return Census(
-        rows=sum(int(n) for _, n, _ in found),
-        kept=sum(int(k) for _, _, k in found),
-        tenants=[(str(t), int(n)) for t, n, _ in found if t is not None and n],
-    )
 
 
 def run_partition_chunk(

@@ -19,7 +19,7 @@ from typing import Any
 
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError, RetryableError
-from airflow_retention.core.sql.statements import TenantBatch
+from airflow_retention.core.sql.batches import TenantBatch
 
 # What users hit, in words; the rest is named by its SQLSTATE class.
 _CLASSES = {

@@ -14,7 +14,8 @@ from airflow_retention.core.planning import tenants
 from airflow_retention.core.planning.cutoff import as_utc
 from airflow_retention.core.planning.tenants import TenantCutoffs
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.statements import MAX_KEY, MIN_KEY, leftover_statement
+from airflow_retention.core.sql.predicate import MAX_KEY, MIN_KEY
+from airflow_retention.core.sql.reads import leftover_statement
 from airflow_retention.core.sql.target import TargetInfo
 
 # The missed-run report (verify task, CLI, view) looks back this far; ledger_keep_days keeps at least this much.

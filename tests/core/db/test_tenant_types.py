@@ -10,7 +10,7 @@ import pytest
 
 from airflow_retention.core.db.catalog import inspect_target
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.running.engine import run_chunk
 from tests.core.helpers import CUTOFF, create_events, fill_events, ledger_chunks, make_policy, rows, scalar
 from tests.core.tenant_helpers import CREATED, purge

@@ -11,7 +11,9 @@ import pytest
 
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger.ledger import _MIGRATIONS, SCHEMA_VERSION, ChunkSpec, Ledger, RunRecord
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec, RunRecord
+from airflow_retention.core.ledger.schema import _MIGRATIONS, SCHEMA_VERSION
 from tests.conftest import connect
 from tests.core.helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar, start_and_join
 

@@ -13,7 +13,7 @@ from airflow_retention.core.errors import PolicyError
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.planner import compute_plan, plan_run
 from airflow_retention.core.running.engine import BatchReport, run_chunk
-from airflow_retention.core.sql.statements import batch_statement
+from airflow_retention.core.sql.batches import batch_statement
 from tests.core.helpers import (
     CUTOFF,
     ELIGIBLE,
@@ -152,7 +152,7 @@ def test_an_unknown_chunk_by_is_refused(schema: str) -> None:
 
 
 def test_a_lone_block_chunk_over_the_whole_range_stops_at_the_tables_end(schema: str, conn: Any, admin: Any) -> None:
-    from airflow_retention.core.ledger.ledger import ChunkSpec
+    from airflow_retention.core.ledger.records import ChunkSpec
 
     name = table(admin, schema)
     expected = eligible_ids(admin, name)
@@ -167,7 +167,7 @@ def test_a_lone_block_chunk_over_the_whole_range_stops_at_the_tables_end(schema:
 
 
 def test_the_blocks_after_the_last_sampled_eligible_row_join_the_last_range() -> None:
-    from airflow_retention.core.planning.planner import block_ranges
+    from airflow_retention.core.planning.walkers.blocks import block_ranges
 
     sampled = [(0, 10), (5, 10)]
     # One range's worth: one range to the table's end, not a second one for blocks 6-19.
@@ -303,7 +303,7 @@ def test_the_planner_log_marks_a_sample_estimate(
     schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     table(admin, schema)
-    with caplog.at_level("INFO", logger="airflow_retention.core.planning.planner"):
+    with caplog.at_level("INFO", logger="airflow_retention.core.planning"):
         plan = plan_run(conn, block_policy(schema), CUTOFF)
     assert plan.rows_estimated
     (line,) = [r.getMessage() for r in caplog.records if " planned " in r.getMessage()]
@@ -315,10 +315,10 @@ def test_the_planner_log_marks_a_sample_estimate(
 def test_a_slow_count_through_the_index_falls_back_to_every_block(
     schema: str, conn: Any, admin: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from airflow_retention.core.planning import planner
+    from airflow_retention.core.planning.walkers import spans
 
     name = nightly_table(admin, schema)
-    monkeypatch.setattr(planner, "BOUNDED_TIMEOUT_MS", 50)
+    monkeypatch.setattr(spans, "BOUNDED_TIMEOUT_MS", 50)
     # 0.1 ms per eligible row the index finds: the 3,000 of them take about 0.3 s to count.
     policy = block_policy(schema, condition="status <> 'open' AND pg_sleep(0.0001) IS NOT NULL")
     plan = compute_plan(conn, policy, CUTOFF)
@@ -339,12 +339,12 @@ def test_nothing_eligible_by_the_index_is_a_run_of_no_chunk(schema: str, conn: A
 
 
 def test_bounded_ranges_cut_at_long_gaps_and_at_the_chunk_size(monkeypatch: pytest.MonkeyPatch) -> None:
-    from airflow_retention.core.planning import planner
+    from airflow_retention.core.planning.walkers import spans as walker
 
-    monkeypatch.setattr(planner, "BOUNDED_GAP_BLOCKS", 10)
+    monkeypatch.setattr(walker, "BOUNDED_GAP_BLOCKS", 10)
     spans = [(0, 4, 5), (4, 8, 5), (16, 20, 5), (40, 44, 5), (44, 48, 5)]
     # A gap of 8 blocks is read; one of 20 is not.
-    assert planner.bounded_ranges(spans, 100) == [(0, 20, 15), (40, 48, 10)]
+    assert walker.bounded_ranges(spans, 100) == [(0, 20, 15), (40, 48, 10)]
     # Cut at the size too; the blocks between two cut ranges hold no eligible row.
-    assert planner.bounded_ranges(spans, 10) == [(0, 8, 10), (16, 20, 5), (40, 48, 10)]
-    assert planner.bounded_ranges([], 10) == []
+    assert walker.bounded_ranges(spans, 10) == [(0, 8, 10), (16, 20, 5), (40, 48, 10)]
+    assert walker.bounded_ranges([], 10) == []

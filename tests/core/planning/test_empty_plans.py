@@ -12,7 +12,8 @@ import pytest
 
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.cutoff import freeze_cutoff
-from airflow_retention.core.planning.planner import Plan, compute_plan, plan_run
+from airflow_retention.core.planning.planner import compute_plan, plan_run
+from airflow_retention.core.planning.plans import Plan
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import verify_run
@@ -29,7 +30,8 @@ SHAPES = {
     "key-tenants": {"tenant_column": "tenant_id"},
 }
 INDEX = "events_created_at_idx"
-PLANNER = "airflow_retention.core.planning.planner"
+# The planner and its walkers log under the planning package.
+PLANNER = "airflow_retention.core.planning"
 
 
 def purge(conn: Any, policy: RetentionPolicy, cutoff: datetime, run_date: datetime | None = None) -> Plan:
@@ -204,12 +206,12 @@ def test_a_leaf_without_the_index_means_no_probe(schema: str, conn: Any, admin: 
 def test_a_probe_that_cannot_tell_quickly_plans_as_before(
     schema: str, conn: Any, admin: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from airflow_retention.core.planning import planner
+    from airflow_retention.core.planning import probes
 
     table = create_events(admin, schema)
     # 300 old rows the condition keeps, each costing the probe 2 ms to reject: 0.6 s against 20 ms.
     fill_events(admin, table, 300, created="%(cutoff)s::timestamptz - g * interval '1 hour'", status="'open'")
-    monkeypatch.setattr(planner, "EMPTY_PROBE_TIMEOUT_MS", 20)
+    monkeypatch.setattr(probes, "EMPTY_PROBE_TIMEOUT_MS", 20)
     policy = make_policy(
         schema, chunk_by="block", key_column=None, condition="status <> 'open' OR pg_sleep(0.002) IS NULL"
     )

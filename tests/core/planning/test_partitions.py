@@ -336,12 +336,13 @@ def test_the_straddling_leaf_is_read_only_where_its_eligible_rows_are(schema: st
 def test_index_bounded_leaves_past_the_chunk_budget_are_planned_over_every_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from airflow_retention.core.planning import planner
-    from airflow_retention.core.planning.partitions import Relation, RowLeaf, fit
-    from airflow_retention.core.planning.planner import BoundedBlocks
+    from airflow_retention.core.planning.partitions import RowLeaf, fit
+    from airflow_retention.core.planning.tree import Relation
+    from airflow_retention.core.planning.walkers import spans
+    from airflow_retention.core.planning.walkers.spans import BoundedBlocks
     from airflow_retention.core.policy.identifiers import TableName
 
-    monkeypatch.setattr(planner, "BOUNDED_GAP_BLOCKS", 10)
+    monkeypatch.setattr(spans, "BOUNDED_GAP_BLOCKS", 10)
 
     def leaf(oid: int) -> RowLeaf:
         relation = Relation(oid, 1, 1, False, "r", TableName("s", f"p{oid}"), None, 1000, 50_000.0, None, None)

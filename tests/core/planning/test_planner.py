@@ -13,18 +13,13 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from airflow_retention.core.errors import PermanentError
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger, MeasuredRate
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec, MeasuredRate
 from airflow_retention.core.planning.cutoff import freeze_cutoff, run_key
-from airflow_retention.core.planning.planner import (
-    ASSUMED_BLOCKS_PER_S,
-    ASSUMED_ROWS_PER_S,
-    MAX_TENANTS_PER_CHUNK,
-    Plan,
-    Preview,
-    compute_plan,
-    plan_run,
-    size_chunks,
-)
+from airflow_retention.core.planning.planner import compute_plan, plan_run
+from airflow_retention.core.planning.plans import Plan, Preview
+from airflow_retention.core.planning.sizing import ASSUMED_BLOCKS_PER_S, ASSUMED_ROWS_PER_S, size_chunks
+from airflow_retention.core.planning.walkers.keys import MAX_TENANTS_PER_CHUNK
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import run_chunk
 from tests.conftest import connect
@@ -211,7 +206,7 @@ def test_rows_with_null_tenant_are_not_planned(
 ) -> None:
     table = create_events(admin, schema)
     fill_events(admin, table, 100, tenant="CASE WHEN g <= 30 THEN NULL ELSE 1 END", created=OLD, status="'closed'")
-    with caplog.at_level(logging.WARNING, logger="airflow_retention.core.planning.planner"):
+    with caplog.at_level(logging.WARNING, logger="airflow_retention.core.planning"):
         plan = plan_run(conn, make_policy(schema, tenant_column="tenant_id"), CUTOFF)
     assert plan.rows_planned == 70
     assert [(c.tenants, c.lo, c.hi) for c in plan.chunks] == [(("1",), 31, 101)]
@@ -384,7 +379,7 @@ def test_plan_run_prunes_the_policys_old_runs(schema: str, conn: Any, admin: Any
 def test_interleaved_tenants_are_warned_about_and_clustered_ones_are_not(
     schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from airflow_retention.core.planning.planner import warn_interleaved_tenants
+    from airflow_retention.core.planning.probes import warn_interleaved_tenants
 
     interleaved = create_events(admin, schema, "interleaved")
     fill_events(admin, interleaved, 20_000, tenant="mod(g, 10)")
@@ -393,7 +388,7 @@ def test_interleaved_tenants_are_warned_about_and_clustered_ones_are_not(
     for table in ("interleaved", "clustered"):
         caplog.clear()
         policy = make_policy(schema, table=f"{schema}.{table}", tenant_column="tenant_id")
-        with caplog.at_level("WARNING", logger="airflow_retention.core.planning.planner"):
+        with caplog.at_level("WARNING", logger="airflow_retention.core.planning"):
             plan = compute_plan(conn, policy, CUTOFF)
         assert len({c.tenants for c in plan.chunks}) >= 1
         warned = [r.getMessage() for r in caplog.records if "interleaved" in r.getMessage()]

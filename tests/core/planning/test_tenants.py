@@ -14,6 +14,7 @@ from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers, verify_run
 from tests.core.helpers import CUTOFF, ledger_chunk, make_policy, rows, scalar
+from tests.core.partition_helpers import create_monthly
 from tests.core.tenant_helpers import ANCHOR, interleaved, ledger_tenant_counts, one_pass, per_tenant_eligible, purge
 
 
@@ -242,7 +243,7 @@ def test_tenant_values_written_another_way_still_match_their_rows(schema: str, c
 def test_a_tenant_cutoff_in_the_future_is_refused(schema: str, conn: Any, admin: Any) -> None:
     from datetime import datetime, timedelta, timezone
 
-    from airflow_retention.core.ledger.ledger import ChunkSpec
+    from airflow_retention.core.ledger.records import ChunkSpec
 
     table = interleaved(admin, schema, 1_000)
     before = scalar(admin, f"SELECT count(*) FROM {table}")
@@ -284,3 +285,38 @@ def test_a_deferred_foreign_key_is_isolated_too(schema: str, conn: Any, admin: A
     with pytest.raises(PermanentError, match="tenant 1: foreign key violation"):
         run_chunk(conn, policy, plan.cutoff, plan.chunks[0])
     assert set(per_tenant_eligible(admin, table)) == {"1"}
+
+
+@pytest.mark.timeout(120)  # the regression it guards against was a loop, not a failure
+def test_a_dead_letter_of_a_leaf_dropped_since_is_resolved_by_the_retry(schema: str, conn: Any, admin: Any) -> None:
+    """The retry of a one-pass leaf chunk with a dead letter, after the leaf was dropped (pg_partman's
+    retention, say): its rows are no longer the table's to purge. The retry resolves the dead letter
+    and completes, touching nothing else (it once took the failing batch again forever)."""
+    table = create_monthly(admin, schema, status="'closed'")
+    leaf = f'"{schema}"."m03"'
+    # A trigger on one leaf refuses to delete tenant 3's rows there.
+    rows(
+        admin,
+        f'CREATE FUNCTION "{schema}".refuse_three() RETURNS trigger LANGUAGE plpgsql AS $$'
+        " BEGIN IF OLD.tenant_id = 3 THEN RAISE EXCEPTION 'tenant 3 is on hold'; END IF; RETURN OLD; END $$",
+    )
+    rows(
+        admin,
+        f'CREATE TRIGGER refuse_three BEFORE DELETE ON {leaf} FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse_three()',
+    )
+    policy = one_pass(schema, chunk_rows=100_000, batch_size=400, target_batch_time=0)
+    plan = plan_run(conn, policy, CUTOFF)
+    chunk = next(c for c in plan.chunks if c.partition == f"{schema}.m03")
+    for _ in (1, 2):  # the first delivery, then a retry that walks the dead letter again
+        with pytest.raises(PermanentError, match=r"tenant 3: raised by a trigger"):
+            run_chunk(conn, policy, plan.cutoff, chunk)
+    assert scalar(admin, f"SELECT count(*) FROM {leaf} WHERE tenant_id <> 3") == 0
+    kept = scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at >= %(c)s", {"c": CUTOFF})
+    rows(admin, f"DROP TABLE {leaf}")
+    result = run_chunk(conn, policy, plan.cutoff, chunk)
+    assert result.rows_deleted == 0 and not result.already_complete
+    assert rows(admin, f'SELECT tenant, resolved_at IS NOT NULL FROM "{policy.ledger_schema}".dead_letters') == [
+        ("3", True)
+    ]
+    assert scalar(admin, f"SELECT count(*) FROM {table} WHERE created_at >= %(c)s", {"c": CUTOFF}) == kept
+    assert run_chunk(conn, policy, plan.cutoff, chunk).already_complete

@@ -12,9 +12,10 @@ import pytest
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.running import detach, engine
+from airflow_retention.core.running import batches, detach
 from airflow_retention.core.running.engine import run_chunk
-from airflow_retention.core.sql.statements import batch_statement, drop_statement, tenant_batch
+from airflow_retention.core.sql.batches import batch_statement, tenant_batch
+from airflow_retention.core.sql.partitions import drop_statement
 from tests.core.helpers import CUTOFF, create_events, fill_events, ledger_chunks, make_policy, rows, scalar
 from tests.core.partition_helpers import create_monthly, relations_in
 
@@ -155,8 +156,8 @@ def test_a_dry_run_statement_that_would_write_fails_instead(
     )
     plan = plan_run(conn, policy, CUTOFF)
     before = state(admin, schema, table)
-    monkeypatch.setattr(engine, "batch_statement", _writing(batch_statement))
-    monkeypatch.setattr(engine, "tenant_batch", _writing(tenant_batch))
+    monkeypatch.setattr(batches, "batch_statement", _writing(batch_statement))
+    monkeypatch.setattr(batches, "tenant_batch", _writing(tenant_batch))
 
     def dropping_census(cur: Any, policy: Any, target: Any, cutoffs: Any, table: Any) -> Any:
         cur.execute(drop_statement(table))  # the partition count of a dry run, made to drop instead

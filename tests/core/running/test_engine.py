@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.errors import PermanentError, PolicyError, RetryableError
-from airflow_retention.core.ledger.ledger import Attempt, ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import Attempt, ChunkSpec
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import RetentionPolicy, policy_to_dict
+from airflow_retention.core.policy.loading import policy_to_dict
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import BatchReport, ChunkResult, run_chunk
 from airflow_retention.core.running.verify import verify_run
 from tests.conftest import connect
@@ -195,7 +197,7 @@ CHILD = """
 import json, sys, time
 from datetime import datetime
 from airflow_retention.core.running.engine import run_chunk
-from airflow_retention.core.ledger.ledger import Attempt, ChunkSpec
+from airflow_retention.core.ledger.records import Attempt, ChunkSpec
 from airflow_retention.core.policy.model import RetentionPolicy
 
 args = json.loads(sys.argv[1])

@@ -12,14 +12,9 @@ import pytest
 
 from airflow_retention.core.errors import PolicyError, RetryableError
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.model import (
-    DEFAULT_MAX_BATCH_SIZE,
-    DEFAULT_MIN_BATCH_SIZE,
-    MAX_BATCH_SIZE,
-    RetentionPolicy,
-    Throttle,
-    policy_to_dict,
-)
+from airflow_retention.core.policy.loading import policy_to_dict
+from airflow_retention.core.policy.model import RetentionPolicy, Throttle
+from airflow_retention.core.policy.validation import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MIN_BATCH_SIZE, MAX_BATCH_SIZE
 from airflow_retention.core.running.engine import BatchReport, run_chunk
 from airflow_retention.core.running.pacing import (
     CONFLICT_BACKOFF_BASE_S,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.errors import PermanentError, RetryableError
-from airflow_retention.core.ledger.ledger import ChunkSpec, Ledger
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.running.engine import run_chunk
 from tests.conftest import connect
@@ -243,7 +244,7 @@ def test_a_dry_run_of_a_partition_chunk_counts_per_tenant_and_keeps_what_a_run_w
 def test_a_partition_chunk_does_no_more_than_both_its_plan_and_the_policy_now_allow(
     planned: str, now: str, cap: int | None, expected: str | None
 ) -> None:
-    from airflow_retention.core.running.detach import wanted_action
+    from airflow_retention.core.running.partition_checks import wanted_action
 
     extra = {"tenant_column": "tenant_id", "max_rows_per_tenant": cap} if cap else {}
     policy = drop_policy("s", expired_partitions=now, **extra)

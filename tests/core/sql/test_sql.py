@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.db.catalog import inspect_target
-from airflow_retention.core.ledger.ledger import ChunkSpec
+from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import BatchReport, run_chunk
-from airflow_retention.core.sql.statements import MAX_KEY, MIN_KEY, condition_probe, eligibility, leftover_statement
+from airflow_retention.core.sql.predicate import MAX_KEY, MIN_KEY, condition_probe, eligibility
+from airflow_retention.core.sql.reads import leftover_statement
 from tests.core.helpers import CUTOFF, ELIGIBLE, create_events, fill_events, make_policy, rows
 
 

@@ -3,121 +3,20 @@
 from __future__ import annotations
 
 from datetime import date, datetime, timedelta, timezone
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy.durations import Retention
 from airflow_retention.core.policy.identifiers import TableName
-from airflow_retention.core.policy.model import (
-    RetentionPolicy,
-    check_condition,
-    load_policies,
-    load_policies_lenient,
-    policy_to_dict,
-)
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.policy.validation import check_condition
 
-REPO = Path(__file__).resolve().parents[3]
-BASE: dict[str, Any] = {
-    "name": "events_purge",
-    "conn_id": "retention_target",
-    "table": "public.events",
-    "key_column": "id",
-    "timestamp_column": "created_at",
-    "retention": "90 days",
-}
+from .helpers import BASE, build, refused
+
 # Valid PostgreSQL names once quoted: a policy takes them literally (tests/core/running/test_table_shapes.py
 # purges tables named like this). Only what no quoting can hold is refused.
 ODD_NAMES = ["users; drop table x", 'a"b', "x--", "a b", "1abc", "a/*b*/", "é", "Created At"]
 REFUSED_NAMES = ["", "a\x00b", "x" * 64]
-
-
-def build(**fields: Any) -> RetentionPolicy:
-    return RetentionPolicy.from_dict({**BASE, **fields})
-
-
-def refused(field: str, **fields: Any) -> PolicyError:
-    with pytest.raises(PolicyError) as info:
-        build(**fields)
-    error = info.value
-    assert error.policy == fields.get("name", BASE["name"])
-    assert error.field == field
-    assert f"policy {error.policy!r}" in str(error)
-    assert f"field {field!r}" in str(error)
-    return error
-
-
-def test_minimal_policy_is_normalised() -> None:
-    policy = build(lock_timeout="2s", statement_timeout="500ms", tags=["a", "b"], start_date="2026-01-01")
-    assert policy.table == TableName("public", "events")
-    assert policy.retention == Retention(days=90)
-    assert (policy.lock_timeout_ms, policy.statement_timeout_ms) == (2000, 500)
-    assert policy.tags == ("a", "b")
-    assert policy.start_date == datetime(2026, 1, 1, tzinfo=timezone.utc)
-    assert (policy.batch_size, policy.chunk_rows, policy.dry_run) == (5000, None, False)  # None: sized by time
-
-
-@pytest.mark.parametrize("key", ["colour", "batchsize", "lock_timeout_ms", "Table"])
-def test_unknown_key_is_refused(key: str) -> None:
-    refused(key, **{key: 1})
-
-
-def test_unknown_key_in_defaults_is_refused() -> None:
-    with pytest.raises(PolicyError) as info:
-        RetentionPolicy.from_dict(BASE, defaults={"bogus": 1})
-    assert (info.value.policy, info.value.field) == ("events_purge", "bogus")
-
-
-@pytest.mark.parametrize(
-    ("key", "meant"),
-    [
-        ("conditon", "condition"),
-        ("retension", "retention"),
-        ("lock_timeout_ms", "lock_timeout"),
-        ("chunkrows", "chunk_rows"),
-        ("tennant_column", "tenant_column"),
-        ("shedule", "schedule"),
-    ],
-)
-def test_an_unknown_key_names_the_key_it_is_a_typo_of(key: str, meant: str) -> None:
-    error = refused(key, **{key: 1})
-    assert str(error) == f"policy 'events_purge', field {key!r}: unknown key: did you mean {meant!r}?"
-
-
-def test_an_unknown_key_like_no_known_one_lists_them_all() -> None:
-    message = str(refused("zzz", zzz=1))
-    assert "did you mean" not in message
-    head, listed = message.split(": unknown key (known keys: ")
-    assert head == "policy 'events_purge', field 'zzz'" and listed.endswith(")")
-    keys = listed[:-1].split(", ")
-    assert keys == sorted(keys) and {"condition", "retention", "table", "throttle", "lock_timeout"} <= set(keys)
-    assert len(keys) > 30 and "lock_timeout_ms" not in keys  # the YAML spelling
-
-
-@pytest.mark.parametrize(
-    ("throttle", "message"),
-    [
-        ({"max_lag": "1s"}, "unknown key 'max_lag': did you mean 'max_replica_lag'?"),
-        ({"backof": "1s"}, "unknown key 'backof': did you mean 'backoff'?"),
-        (
-            {"zzz": 1},
-            "unknown key 'zzz' (known keys: backoff, give_up_after, max_lock_waiters, max_replica_lag, probe,"
-            " probe_max)",
-        ),
-    ],
-)
-def test_an_unknown_throttle_key_names_the_key_it_is_a_typo_of(throttle: dict[str, Any], message: str) -> None:
-    assert str(refused("throttle", throttle=throttle)) == f"policy 'events_purge', field 'throttle': {message}"
-
-
-@pytest.mark.parametrize("missing", ["conn_id", "table", "timestamp_column", "retention"])
-def test_missing_required_key_is_refused(missing: str) -> None:
-    data = {k: v for k, v in BASE.items() if k != missing}
-    with pytest.raises(PolicyError) as info:
-        RetentionPolicy.from_dict(data)
-    assert (info.value.policy, info.value.field) == ("events_purge", missing)
 
 
 @pytest.mark.parametrize("bad", ["Events", "1events", "events-purge", "events purge", "", "a" * 64])
@@ -341,124 +240,6 @@ def test_other_bad_fields_are_refused(field: str, value: object) -> None:
 
 def test_naive_start_date_is_read_as_utc() -> None:
     assert build(start_date=date(2026, 2, 3)).start_date == datetime(2026, 2, 3, tzinfo=timezone.utc)
-
-
-def test_policy_round_trips_through_dict() -> None:
-    policy = build(
-        table="public.Order",
-        condition="status <> 'open'",
-        tenant_column="tenant_id",
-        archive_table="archive.Order",
-        retention="1 year 2 days",
-        lock_timeout="750ms",
-        tags=["x"],
-        dry_run=True,
-    )
-    assert RetentionPolicy.from_dict(policy_to_dict(policy)) == policy
-
-
-def test_describe_names_the_cutoff_rule() -> None:
-    text = build(condition="status <> 'open'").describe()
-    assert "`created_at` < cutoff and the condition holds" in text
-    assert "90 days" in text
-
-
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "policies.yaml"
-    path.write_text(text)
-    return path
-
-
-LENIENT_YAML = """
-defaults:
-  conn_id: target
-  key_column: id
-  timestamp_column: created_at
-policies:
-  - {name: good_one, table: public.a, retention: 30 days}
-  - {name: bad_one, table: public.b, retention: 30 days, batch_size: 0}
-  - {name: good_two, table: public.c, retention: P1Y}
-  - {name: good_one, table: public.d, retention: 1 day}
-  - {name: injected, table: 'public."x; drop table y', retention: 1 day}
-"""
-
-
-def test_lenient_load_keeps_good_policies_and_names_the_bad_ones(tmp_path: Path) -> None:
-    policies, errors = load_policies_lenient(_write(tmp_path, LENIENT_YAML))
-    assert [p.name for p in policies] == ["good_one", "good_two"]
-    assert policies[0].table == TableName("public", "a")
-    assert policies[1].retention == Retention(months=12)
-    assert [(e.policy, e.field) for e in errors] == [
-        ("bad_one", "batch_size"),
-        ("good_one", "name"),
-        ("injected", "table"),
-    ]
-    assert "more than one policy" in str(errors[1])
-
-
-def test_strict_load_raises_the_first_error(tmp_path: Path) -> None:
-    with pytest.raises(PolicyError) as info:
-        load_policies(_write(tmp_path, LENIENT_YAML))
-    assert (info.value.policy, info.value.field) == ("bad_one", "batch_size")
-
-
-@pytest.mark.parametrize(
-    ("text", "field"),
-    [
-        ("[]", "policies"),
-        ("policies: {}", "policies"),
-        ("policies: []\nextra: 1", "extra"),
-        ("policies: []\ndefaults: [1]", "defaults"),
-        ("policies: [\n", None),
-    ],
-)
-def test_malformed_file_is_refused(tmp_path: Path, text: str, field: str | None) -> None:
-    with pytest.raises(PolicyError) as info:
-        load_policies_lenient(_write(tmp_path, text))
-    assert info.value.field == field
-
-
-@pytest.mark.parametrize(
-    ("text", "field", "hint"),
-    [
-        # Not "must hold a 'policies' list": the typo is named first.
-        ("polices:\n  - {name: a}\n", "polices", ": did you mean 'policies'?"),
-        ("policies: []\ndefault: {}\n", "default", ": did you mean 'defaults'?"),
-        ("policies: []\nextra: 1\n", "extra", " (known keys: defaults, policies)"),
-    ],
-)
-def test_an_unknown_top_level_key_names_the_key_it_is_a_typo_of(
-    tmp_path: Path, text: str, field: str, hint: str
-) -> None:
-    path = _write(tmp_path, text)
-    with pytest.raises(PolicyError) as info:
-        load_policies_lenient(path)
-    assert str(info.value) == f"field {field!r}: unknown top-level key in {path}{hint}"
-
-
-def test_non_mapping_entry_is_reported(tmp_path: Path) -> None:
-    policies, errors = load_policies_lenient(_write(tmp_path, "policies:\n  - just a string\n"))
-    assert policies == []
-    assert [e.policy for e in errors] == ["#1"]
-
-
-def test_repository_policies_file_loads() -> None:
-    policies = load_policies(REPO / "dags" / "retention_policies.yaml")
-    by_name = {p.name: p for p in policies}
-    assert list(by_name) == ["webhook_deliveries", "tenant_events", "audit_log", "api_requests"]
-    assert by_name["api_requests"].key_column is None and by_name["api_requests"].expired_partitions == "drop"
-    assert [p.chunk_by for p in policies] == ["block", "key", "block", "block"]
-    assert by_name["tenant_events"].tenant_column == "tenant_id"
-    assert by_name["audit_log"].archive_table == TableName("audit", "audit_log_archive")
-    assert by_name["audit_log"].retention == Retention(months=12)
-    assert by_name["webhook_deliveries"].condition == "status in ('delivered', 'abandoned') and next_attempt_at is null"
-    for policy in policies:  # defaults are merged under every policy
-        assert (policy.conn_id, policy.lock_timeout_ms, policy.statement_timeout_ms) == (
-            "retention_target",
-            5000,
-            60000,
-        )
-        assert policy.chunk_rows >= policy.batch_size
 
 
 @pytest.mark.parametrize(
