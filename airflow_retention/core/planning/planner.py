@@ -1,9 +1,8 @@
 """The planner: turn a policy and a frozen cutoff into a deterministic set of chunks, once per run.
 
-Chunks are key ranges [lo, hi) per tenant, each holding at most ``chunk_rows`` rows eligible at
-planning time, so that a tenant with 50 times the rows gets 50 times the chunks while small tenants
-share a chunk. Boundaries are found by the server walking the index (``OFFSET n LIMIT 1``): the planner
-holds one row per tenant, never the eligible keys.
+The walker of the table's shape cuts it (:mod:`.walkers`): block ranges of the table, key ranges per
+tenant, or whole partitions and the leaves' block ranges of a partitioned table. :func:`plan_run`
+records the plan in the ledger once; a later call for the same run returns the stored plan.
 """
 
 from __future__ import annotations

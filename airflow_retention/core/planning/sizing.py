@@ -21,8 +21,6 @@ log = logging.getLogger(__name__)
 # and ~65,000 blocks/s one worker reached on a 2-core test machine (docs/performance.md), for slower
 # servers and chunks running side by side. Too low a rate only makes chunks shorter than aimed at.
 ASSUMED_ROWS_PER_S = {"block": 200_000, "key": 50_000}
-
-
 ASSUMED_BLOCKS_PER_S = 20_000
 
 

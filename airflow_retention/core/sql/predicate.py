@@ -17,8 +17,6 @@ from airflow_retention.core.sql.target import TargetInfo
 # The whole key space, for statements that are not limited to a chunk. Not -2**63: psycopg2 sends
 # -9223372036854775808::bigint, which overflows before the negation.
 MIN_KEY = -(2**63) + 1
-
-
 MAX_KEY = 2**63 - 1
 
 

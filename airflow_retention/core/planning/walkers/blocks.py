@@ -13,9 +13,7 @@ from typing import Any
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger.records import BLOCK_CHUNK_PREFIX, ChunkSpec
-from airflow_retention.core.planning.cutoff import (
-    run_key,
-)
+from airflow_retention.core.planning.cutoff import run_key
 from airflow_retention.core.planning.plans import Preview, empty_preview
 from airflow_retention.core.planning.probes import nothing_eligible, warn_null_timestamps
 from airflow_retention.core.planning.sizing import measured_rate, size_chunks
@@ -25,9 +23,7 @@ from airflow_retention.core.planning.walkers.spans import bounded_ranges, index_
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.sql.catalog import BLOCK_COUNT
-from airflow_retention.core.sql.reads import (
-    block_sample_statement,
-)
+from airflow_retention.core.sql.reads import block_sample_statement
 from airflow_retention.core.sql.target import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -35,8 +31,6 @@ log = logging.getLogger(__name__)
 
 # The block planner samples about this many rows (all of a smaller table) to find the eligible ones.
 BLOCK_SAMPLE_ROWS = 30_000
-
-
 MIN_TID_RANGE_SERVER = 140000
 
 

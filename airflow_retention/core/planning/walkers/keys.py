@@ -13,9 +13,7 @@ from typing import Any
 
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.ledger.records import ChunkSpec
-from airflow_retention.core.planning.cutoff import (
-    run_key,
-)
+from airflow_retention.core.planning.cutoff import run_key
 from airflow_retention.core.planning.plans import Preview, empty_preview
 from airflow_retention.core.planning.probes import nothing_eligible, warn_interleaved_tenants, warn_null_timestamps
 from airflow_retention.core.planning.sizing import measured_rate, size_chunks
@@ -34,8 +32,6 @@ log = logging.getLogger(__name__)
 
 # A shared chunk lists its tenants in XCom and in the ledger: keep that list bounded.
 MAX_TENANTS_PER_CHUNK = 500
-
-
 _GROWTH = 1.25
 
 
@@ -178,8 +174,10 @@ def _spec(tenants: tuple[str, ...] | None, lo: int, hi: int, rows: int, seq: int
 def plan_keys(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoffs: TenantCutoffs, max_chunks: int
 ) -> Preview:
-    """Key chunks: the eligible rows' key groups (one per tenant), packed or cut into chunks of about
-    ``chunk_rows`` rows each at boundaries the server finds walking the key index."""
+    """Key chunks: the eligible rows' key groups (one per tenant), packed or cut into chunks of at most
+    ``chunk_rows`` rows each, so that a tenant with 50 times the rows gets 50 times the chunks while
+    small tenants share one. Boundaries are found by the server walking the index (``OFFSET n LIMIT
+    1``): the planner holds one row per tenant, never the eligible keys."""
     cutoff = cutoffs.cutoff
     empty = nothing_eligible(conn, policy, target, cutoffs, null_tenants=True)
     if empty is not None:

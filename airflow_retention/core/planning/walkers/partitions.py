@@ -10,9 +10,7 @@ from typing import Any
 
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.ledger.records import ChunkSpec
-from airflow_retention.core.planning.cutoff import (
-    run_key,
-)
+from airflow_retention.core.planning.cutoff import run_key
 from airflow_retention.core.planning.partitions import fit, survey
 from airflow_retention.core.planning.plans import Preview, empty_preview
 from airflow_retention.core.planning.probes import nothing_eligible, warn_null_timestamps

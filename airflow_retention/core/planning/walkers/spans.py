@@ -17,9 +17,7 @@ from airflow_retention.core.planning.sizing import ASSUMED_BLOCKS_PER_S
 from airflow_retention.core.planning.tenants import TenantCutoffs
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.reads import (
-    eligible_spans_statement,
-)
+from airflow_retention.core.sql.reads import eligible_spans_statement
 from airflow_retention.core.sql.target import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -31,8 +29,6 @@ log = logging.getLogger(__name__)
 # them, so that one day's rows do not cost a read of the whole table. Below BOUNDED_MIN_BLOCKS (32 MB)
 # reading the whole table costs less than counting.
 BOUNDED_MIN_BLOCKS = 4096
-
-
 BOUNDED_MAX_SHARE = 0.5
 
 
@@ -50,8 +46,6 @@ BOUNDED_MAX_SPANS = 65_536
 # else the assumed one), and at least this long; past it the plan covers every block, as without an
 # index, having lost at most half of what the count was to save.
 BOUNDED_TIMEOUT_MS = 10_000
-
-
 BOUNDED_READ_SHARE = 0.5
 
 
