@@ -12,3 +12,9 @@ batches, tenants and dead letters that make a retry harmless and a run's complet
 - ``history``: what past runs tell the next: measured rates, cleanup lag, vacuums, failed plans.
 - ``inflight``: chunks that a process may still be writing although no task runs them any more.
 """
+
+# The names docs and DAG files imported from ``airflow_retention.core.ledger`` when it was one module.
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import Attempt, ChunkSpec
+
+__all__ = ["Attempt", "ChunkSpec", "Ledger"]

@@ -42,8 +42,7 @@ from airflow_retention.core.running.batches import BatchStatement, Counts, check
 from airflow_retention.core.running.context import BatchReport, ChunkResult, ChunkRun, default_host
 from airflow_retention.core.running.detach import run_partition_chunk
 from airflow_retention.core.running.pacing import Pacer, Throttler, conflict_backoff
-from airflow_retention.core.running.partition_checks import gone_reason, partition_state
-from airflow_retention.core.running.progress import LedgerProgress, Progress, RedoProgress
+from airflow_retention.core.running.progress import LedgerProgress, Progress, RedoProgress, leaf_vanished
 from airflow_retention.core.sql.batches import batch_counts_tenants, batch_walk_statement
 from airflow_retention.core.sql.target import TargetInfo
 
@@ -252,7 +251,7 @@ def _batch(
         raise _TakeAgain(exc, conflict=locked) from exc
     except PermanentError as exc:
         # A leaf dropped between the batch's check and its lock: the next batch sees it gone.
-        if chunk.partition is None or not _leaf_vanished(run.conn, policy, chunk):
+        if chunk.partition is None or not leaf_vanished(run.conn, policy, chunk):
             raise
         raise _TakeAgain(exc) from exc
     report = BatchReport(
@@ -336,14 +335,6 @@ def settle_dead_letters(run: ChunkRun, statement: BatchStatement) -> None:
         f" {shown}. The chunk's other tenants were purged. Fix the cause, then clear this chunk task: its"
         " retry purges only those tenants"
     )
-
-
-def _leaf_vanished(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> bool:
-    with dbapi.transaction(conn) as cur:
-        assert chunk.partition_oid is not None and chunk.partition is not None
-        return (
-            gone_reason(partition_state(cur, policy, chunk.partition_oid), TableName.parse(chunk.partition)) is not None
-        )
 
 
 def _partition_chunk(

@@ -25,6 +25,7 @@ from airflow_retention.core.running.batches import Counts
 from airflow_retention.core.running.context import ChunkRun
 from airflow_retention.core.running.isolation import TenantFailure
 from airflow_retention.core.running.partition_checks import gone_reason, partition_state
+from airflow_retention.core.sql.batches import batch_counts_tenants
 from airflow_retention.core.sql.partitions import lock_statement
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class LedgerProgress(Progress):
     def params(self, cur: Any) -> dict[str, Any]:
         run = self.run
         params = super().params(cur)
-        if run.policy.chunk_by == "block" and run.policy.tenant_column is not None:
+        if batch_counts_tenants(run.policy):
             # The chunk's dead letters are left out of its later batches.
             params["skip"] = [d["tenant"] for d in run.ledger.open_dead_letters(cur, run.key, run.chunk.key)]
         return params
@@ -246,17 +247,25 @@ def record_dead_letters(cur: Any, run: ChunkRun, failures: list[TenantFailure]) 
         run.ledger.record_dead_letter(cur, run.key, run.chunk, letter)
 
 
+def _gone(cur: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> str | None:
+    assert chunk.partition is not None and chunk.partition_oid is not None
+    return gone_reason(partition_state(cur, policy, chunk.partition_oid), TableName.parse(chunk.partition))
+
+
+def leaf_vanished(conn: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> bool:
+    """Whether the chunk's leaf is gone now (no lock taken): after a batch failed on it."""
+    with dbapi.transaction(conn) as cur:
+        return _gone(cur, policy, chunk) is not None
+
+
 def leaf_gone(cur: Any, policy: RetentionPolicy, chunk: ChunkSpec) -> str | None:
     """Why the chunk's leaf partition can no longer be purged (dropped, detached, renamed), or None after
     locking it for the batch (None too for a chunk of no leaf): with ROW EXCLUSIVE (a dry run: ACCESS
     SHARE) held, a concurrent DETACH cannot finish mid-batch."""
     if chunk.partition is None:
         return None
-    assert chunk.partition_oid is not None
-    leaf = TableName.parse(chunk.partition)
-    reason = gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf)
-    if reason is not None:
+    if (reason := _gone(cur, policy, chunk)) is not None:
         return reason
     # A dry run only reads: ACCESS SHARE also keeps a DETACH from finishing, and needs no write privilege.
-    cur.execute(lock_statement(leaf, "ACCESS SHARE" if policy.dry_run else "ROW EXCLUSIVE"))
-    return gone_reason(partition_state(cur, policy, chunk.partition_oid), leaf)
+    cur.execute(lock_statement(TableName.parse(chunk.partition), "ACCESS SHARE" if policy.dry_run else "ROW EXCLUSIVE"))
+    return _gone(cur, policy, chunk)
