@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+# Semantic versioning; every release has its section in CHANGELOG.md.
+__version__ = "0.2.0"
 
 from airflow_retention.core.policy.loading import load_policies
 from airflow_retention.core.policy.model import RetentionPolicy

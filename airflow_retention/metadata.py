@@ -15,7 +15,8 @@ touch rows of a run still running or queued, or fail on a ``RESTRICT`` foreign k
 guard (:data:`GUARDS`): these are the only rows where the two differ (docs/airflow-metadata.md).
 
 Per-DAG retention: ``dag_retention`` (DAG id → retention) makes ``dag_id`` the tenant column of every
-table that has one (``db clean``'s ``dag_id_column_name``).
+table that has one (``db clean``'s ``dag_id_column_name``); the rows of such a table without a DAG id
+get a second policy (``<name>_without_dag``) at the common retention.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ class MetadataSettings:
             tables=tuple(str(t) for t in tables) if tables else None,
             policy=dict(data.get("policy") or {}),
         )
+
+
+# The name of the policy of a table's rows without a DAG id, after the table's own (per-DAG) policy's.
+WITHOUT_DAG_SUFFIX = "_without_dag"
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,21 @@ def metadata_policies(
         if settings.dag_retention and rule.dag_id_column:
             data["tenant_column"] = rule.dag_id_column
             data["tenant_retention"] = dict(settings.dag_retention)
+            policies.append(RetentionPolicy.from_dict(data))
+            # A tenant policy never removes a row without a tenant: the rows without a DAG id (the
+            # scheduler's and triggerer's job rows, CLI commands' log rows) get a policy of their own,
+            # at the common retention, run right after it, as db clean removes them.
+            without = f"{quote_ident(rule.table)}.{quote_ident(rule.dag_id_column)} IS NULL"
+            policies.append(
+                RetentionPolicy.from_dict(
+                    {
+                        **{k: v for k, v in data.items() if k not in ("tenant_column", "tenant_retention")},
+                        "name": f"{data['name']}{WITHOUT_DAG_SUFFIX}",
+                        "condition": f"({without})" + (f" AND {rule.condition}" if rule.condition else ""),
+                    }
+                )
+            )
+            continue
         policies.append(RetentionPolicy.from_dict(data))
     return policies
 

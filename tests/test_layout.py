@@ -4,9 +4,12 @@
    package counts, at the top of a module or inside a function (a lazy import still runs); only those under
    ``if TYPE_CHECKING:`` are left out of the graph, since they never run.
 2. The stages of the core: ``airflow_retention.core.<stage>`` imports only from its own stage, earlier ones in
-   :data:`STAGES`, and ``airflow_retention.core.errors`` (a shared leaf, like ``core/__init__.py``: those two
-   import nothing of the package). The core never imports ``airflow`` nor the package outside the core.
-   Here imports under ``if TYPE_CHECKING:`` count too: a type named from a later stage is still a dependency.
+   :data:`STAGES`, and the shared leaves :data:`LEAVES` (``core.errors``, ``core.moved``: they import nothing
+   of the package). The core never imports ``airflow`` nor the package outside the core. Here imports under
+   ``if TYPE_CHECKING:`` count too: a type named from a later stage is still a dependency. ``core/__init__.py``
+   is the public core API (docs/api.md): it stands above every stage and may name any of them, and no module
+   of the core imports it but the deprecated forwarding modules (:data:`DEPRECATED`), which import only it and
+   ``core.moved``, and which nothing in the package imports.
 3. No module over :data:`MAX_MODULE_LINES` physical lines.
 4. The entry points read top-down: ``core/running/engine.py``'s ``run_chunk``, every public top-level
    function of ``core/planning/planner.py``, the walkers' plan functions and the partition survey under
@@ -24,7 +27,9 @@ from pathlib import Path
 PACKAGE = "airflow_retention"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 CORE = f"{PACKAGE}.core"
-LEAF = f"{CORE}.errors"
+LEAVES = (f"{CORE}.errors", f"{CORE}.moved")
+# 0.1.0's module paths, kept for one release as forwarding modules (airflow_retention/core/moved.py).
+DEPRECATED = tuple(f"{CORE}.{name}" for name in ("planner", "engine", "verify", "cutoff", "catalog"))
 STAGES = ("policy", "sql", "db", "ledger", "planning", "running")
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 100
@@ -187,16 +192,25 @@ def _stage(module: str) -> int:
 
 
 def test_the_core_imports_only_earlier_stages_and_never_airflow() -> None:
-    leaves = (CORE, LEAF)
-    strays = [m for m in modules() if _within(m, CORE) and m not in leaves and _stage(m) < 0]
+    strays = [m for m in modules() if _within(m, CORE) and m not in (CORE, *LEAVES, *DEPRECATED) and _stage(m) < 0]
     wrong = [f"{m}: in the core but in none of its stages" for m in strays]
+    for found in all_imports():
+        if found.target in DEPRECATED and found.module not in DEPRECATED:
+            wrong.append(f"{found}  (a deprecated path: import from its new module)")
+        if found.target == CORE and _within(found.module, CORE) and found.module not in DEPRECATED:
+            wrong.append(f"{found}  (the public core API is for users: the core imports its modules)")
     for found in (i for i in all_imports() if _within(i.module, CORE)):
         own, theirs = _stage(found.module), _stage(found.target)
         if _within(found.target, "airflow"):
             wrong.append(f"{found}  (the core is Airflow-free)")
         elif _within(found.target, PACKAGE) and not _within(found.target, CORE):
             wrong.append(f"{found}  (the core imports nothing of the package outside the core)")
-        elif _within(found.target, CORE) and found.target not in leaves and (own < 0 or theirs > own):
+        elif found.module == CORE:
+            continue  # the public core API names every stage
+        elif found.module in DEPRECATED:
+            if _within(found.target, CORE) and found.target not in (CORE, f"{CORE}.moved"):
+                wrong.append(f"{found}  (a deprecated path forwards through core.moved only)")
+        elif _within(found.target, CORE) and found.target not in (CORE, *LEAVES) and (own < 0 or theirs > own):
             may = ", ".join(STAGES[: own + 1]) if own >= 0 else "nothing of the core"
             wrong.append(f"{found}  ({STAGES[own] if own >= 0 else 'a leaf'} may import only {may} and errors)")
     assert not wrong, f"{len(wrong)} import(s) against the stage order {' -> '.join(STAGES)}:\n" + "\n".join(wrong)

@@ -26,7 +26,8 @@ class Alert:
     """One line of the warnings of a policy; ``kind`` is ``target`` (the table or a column the policy
     names is missing or wrong: the next plan fails), ``plan_failed`` (the last plan raised, and none
     succeeded since), ``missed_run``, ``stuck``, ``not_verified``,
-    ``chunk_error``, ``dead_letter`` or ``no_ledger``. ``public`` is the message without connection
+    ``chunk_error``, ``dead_letter``, ``leaves_deferred`` (the latest run's plan left leaves of a
+    partitioned table past the chunk budget) or ``no_ledger``. ``public`` is the message without connection
     details (the database's name), for readers who may not see the connection; None: the same."""
 
     kind: str
@@ -185,3 +186,19 @@ def run_warnings(runs: list[RunSummary], now: datetime) -> list[Alert]:
                     )
                 )
     return out
+
+
+def deferred_leaves_warning(runs: list[RunSummary]) -> list[Alert]:
+    """The leaves of a partitioned table the latest planned run left out past the chunk budget: not a
+    failure (later runs plan them first), but the table is purged over several runs, not each night."""
+    from airflow_retention.core.running.verify import not_covered
+
+    planned = [r for r in runs if r.kind != "lone"]
+    latest = max(planned, key=lambda r: r.planned_at, default=None)
+    if latest is None or not latest.leaves_deferred:
+        return []
+    message = (
+        f"run {latest.run_key}: {not_covered(latest.leaves_deferred, latest.chunks_expected)}; to purge every"
+        " leaf each run, raise [core] max_map_length"
+    )
+    return [Alert("leaves_deferred", message, latest.run_key)]

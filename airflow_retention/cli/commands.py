@@ -190,6 +190,7 @@ def plan_json(policy: Any, preview: Any, stored: dict[str, Any] | None, date: st
         "sizing": preview.sizing.to_dict() if preview.sizing is not None else None,
         "tenant_groups": preview.tenant_groups,
         "null_timestamps": preview.null_timestamps,
+        "leaves_deferred": list(preview.leaves_deferred) if preview.leaves_deferred is not None else None,
         "tenant_cutoffs": [
             {"tenant": t, "retention": r, "cutoff": iso(c), "source": s}
             for t, r, c, s in (preview.tenant_cutoffs.overrides if preview.tenant_cutoffs is not None else ())
@@ -314,6 +315,9 @@ def verify_json(
         "chunks_complete": verification.complete,
         "missing": list(verification.missing),
         "dead_letters": list(verification.left),
+        # A partitioned table's leaves with eligible rows the plan left past the chunk budget: "ok" (every
+        # planned chunk complete) with these is a run done that did not cover the whole table.
+        "leaves_deferred": list(verification.deferred),
         "rows_deleted": verification.rows_deleted,
         "description": verification.describe(),
         "incomplete_chunks": [
@@ -396,7 +400,8 @@ def _init_metadata(args: argparse.Namespace, folder: Path) -> int:
     except (FileExistsError, NotADirectoryError) as exc:
         raise CliError(f"init: {exc}") from None
     settings = load_settings(folder / METADATA_SETTINGS_FILE)
-    tables = [p.table.name for p in metadata_policies(settings)]
+    # dict.fromkeys: a table with per-DAG retention has two policies (its rows without a DAG id).
+    tables = list(dict.fromkeys(p.table.name for p in metadata_policies(settings)))
     steps = metadata_next_steps(folder, settings)
     return _report_init(
         args,

@@ -60,6 +60,8 @@ def lag_text(run: RunSummary) -> str:
 
 def state_text(run: RunSummary) -> str:
     colour = "green" if run.state == "complete" else ("yellow" if run.running else "cyan")
+    if run.state == "complete" and run.leaves_deferred:
+        colour = "yellow"  # done, but its plan left leaves of the table past the chunk budget
     label = run.status if run.kind in ("planned", "lone") else f"{run.status} (dry run)"
     return f"[{colour}]{escape(label)}[/]"
 
@@ -160,6 +162,13 @@ def print_plan(console: Console, preview: Any, policy: Any, stored: dict[str, An
             f" {stored['chunks_expected']} chunk(s), {stored['rows_planned']:,} row(s); a planner would reuse that"
             " stored plan"
         )
+    if preview.leaves_deferred:
+        from airflow_retention.core.running.verify import not_covered
+
+        console.print(
+            f"  [yellow]warning:[/] {escape(not_covered(preview.leaves_deferred, len(preview.chunks)))}",
+            soft_wrap=True,
+        )
     if preview.partitions:
         console.print(partitions_table(preview.partitions))
     if not preview.chunks:
@@ -231,7 +240,8 @@ def resume_position(chunk: dict[str, Any]) -> str:
 def print_verification(
     console: Console, verification: Any, chunks: list[dict[str, Any]], leftovers: str | None, max_rows: int
 ) -> None:
-    colour = "green" if verification.ok else "red"
+    # A run whose planned chunks are complete but whose plan left leaves out is done, yet not all of the table.
+    colour = ("yellow" if verification.deferred else "green") if verification.ok else "red"
     console.print(f"[{colour}]{escape(verification.describe())}[/]", soft_wrap=True)
     incomplete = [c for c in chunks if c["state"] != "complete"]
     if incomplete:

@@ -17,6 +17,7 @@ from typing import Any
 from airflow_retention.cli.alerts import (
     Alert,
     dead_letter_warnings,
+    deferred_leaves_warning,
     mark_failing,
     plan_failure_alerts,
     run_warnings,
@@ -112,6 +113,7 @@ def policy_status(
         *missed_warnings(policy, missed),
         *run_warnings(runs, now),
         *dead_letter_warnings(conn, ledger, runs),
+        *deferred_leaves_warning(runs),
     ]
     return PolicyStatus(policy, version, as_of, runs, missed, mark_failing(warnings, runs, now), covered)
 

@@ -61,6 +61,8 @@ class RunSummary:
     eligible_left: int | None
     oldest_eligible_at: datetime | None
     chunk_problems: tuple[ChunkProblem, ...] = ()
+    # A partitioned table's leaves with eligible rows the run's plan left out (past the chunk budget).
+    leaves_deferred: tuple[str, ...] = ()
 
     @property
     def chunks_done(self) -> bool:
@@ -75,6 +77,8 @@ class RunSummary:
     @property
     def status(self) -> str:
         """The state in words: complete, running, or chunks done but not verified yet."""
+        if self.state == "complete" and self.leaves_deferred:
+            return f"complete, {len(self.leaves_deferred)} leaf partition(s) not covered"
         if self.state == "complete":
             return "complete"
         if self.kind == "lone":
@@ -109,6 +113,7 @@ class RunSummary:
             "eligible_left": self.eligible_left,
             "oldest_eligible_at": iso(self.oldest_eligible_at),
             "chunk_errors": [p.to_json() for p in self.chunk_problems if p.last_error],
+            "leaves_deferred": list(self.leaves_deferred),
         }
 
 
@@ -148,6 +153,7 @@ def summarize_run(run: dict[str, Any], chunks: list[dict[str, Any]] | None, now:
         eligible_left=run["eligible_left"],
         oldest_eligible_at=run["oldest_eligible_at"],
         chunk_problems=tuple(_problems(chunks or [])),
+        leaves_deferred=tuple(run.get("leaves_deferred") or ()),
     )
 
 

@@ -65,7 +65,11 @@ def _cell(field: str, text: str, css: str = "") -> str:
 
 def _state(summary: RunSummary) -> str:
     status = summary.status if summary.kind in ("planned", "lone") else f"{summary.status} (dry run)"
-    css = "state-complete" if summary.state == "complete" else ("state-running" if summary.running else "state-planned")
+    if summary.state == "complete":
+        # A run whose plan left leaf partitions past the chunk budget did not cover the table: amber.
+        css = "state-running" if summary.leaves_deferred else "state-complete"
+    else:
+        css = "state-running" if summary.running else "state-planned"
     return _cell("state", status, css)
 
 

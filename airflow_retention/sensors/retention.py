@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -21,6 +22,7 @@ from airflow_retention.core.running.verify import (
     LAG_AT_VERIFY_TIMEOUT_MS,
     lag_left_to_next_run,
     missed_days,
+    not_covered,
 )
 from airflow_retention.hooks.retention import RetentionHook
 from airflow_retention.operators.context import anchor_from_context, attempt_from_context
@@ -198,7 +200,13 @@ class RetentionCompleteSensor(BaseSensorOperator):
         else:
             done = "would be deleted (dry run)" if self.policy.dry_run else "deleted"
             outcome = f"{run['chunks_completed']} chunk(s) complete, {rows:,} row(s) {done} at cutoff {cutoff}"
-        self.log.info("run %s: %s; %.1f s since planning", run_key, outcome, duration)
+        deferred = list(run.get("leaves_deferred") or ())
+        if deferred:
+            # The run is done (its planned chunks are all it will do), yet it did not cover the table: never
+            # a plain "complete", and a warning, so that a table outgrowing max_map_length is seen.
+            outcome += f"; {not_covered(deferred, run['chunks_expected'])}"
+        level = logging.WARNING if deferred else logging.INFO
+        self.log.log(level, "run %s: %s; %.1f s since planning", run_key, outcome, duration)
         self._report_leftovers(context, run)
         self._report_missed_runs(context)
         return {
@@ -208,6 +216,7 @@ class RetentionCompleteSensor(BaseSensorOperator):
             "chunks": run["chunks_completed"],
             "rows_deleted": run["rows_deleted"],
             "rows_matched": run["rows_matched"],
+            "leaves_deferred": deferred,
         }
 
     def _chunks_still_writing(self, run_key: str, expected: list[str]) -> list[ChunkSpec]:

@@ -16,6 +16,7 @@ from airflow_retention.cli.runs import progress_of
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.schema import SCHEMA_VERSION
 from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers
 
@@ -568,3 +569,50 @@ def test_status_reports_a_policy_whose_ledger_cannot_be_read_and_goes_on(
     text = " ".join(result.out.split())
     assert f"broken failing: cannot read its ledger in schema '{broken}':" in text
     assert "events_purge" in text and "Traceback" not in result.out + result.err
+
+
+def test_plan_verify_and_status_say_which_leaves_a_run_left_past_the_chunk_budget(
+    capsys: Any, admin: Any, schema: str, tmp_path: Path, conn: Any
+) -> None:
+    """A partitioned table with more leaves to purge than the chunk budget: the plan preview warns, and the
+    verify and the status of a run done with leaves left out never call it plainly complete (exit 0 all
+    the same: its planned chunks are all it will do, and the next run plans those leaves first)."""
+    from ..core.partition_helpers import create_hashed, insert_night
+
+    table = create_hashed(admin, schema)
+    insert_night(admin, table, 0, CUTOFF)
+    data = policy_data(schema, table=f"{schema}.t", chunk_by="block", key_column=None, condition=None)
+    args = ["--policies", str(write_policies(tmp_path / "policies.yaml", data)), "--dsn", DSN]
+    left = f"{schema}.t_h2, {schema}.t_h3"
+    said = (
+        "2 leaf partition(s) with eligible rows not covered by this run (past the chunk budget of 2;"
+        f" max_map_length): {left}"
+    )
+
+    preview = run_cli(capsys, *args, "plan", "events_purge", "--date", RUN_DATE, "--max-chunks", "2")
+    assert preview.code == 0, preview.err
+    assert f"warning: {said}" in " ".join(preview.out.split())
+    found = run_cli(capsys, *args, "plan", "events_purge", "--date", RUN_DATE, "--max-chunks", "2", "--json").json()
+    assert found["leaves_deferred"] == [f"{schema}.t_h2", f"{schema}.t_h3"]
+
+    policy = RetentionPolicy.from_dict(data)
+    plan = plan_run(conn, policy, CUTOFF, max_chunks=2)
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, CUTOFF, chunk)
+    Ledger(policy.ledger_schema).complete_run(conn, plan.run_key, "test")
+
+    verify = run_cli(capsys, *args, "verify", "events_purge", "--date", RUN_DATE)
+    assert verify.code == 0, verify.err
+    text = " ".join(verify.out.split())
+    assert "all 2 planned chunk(s) complete" in text and said in text and "the next run plans them first" in text
+    result = run_cli(capsys, *args, "--json", "verify", "events_purge", "--date", RUN_DATE).json()
+    assert result["ok"] is True and result["leaves_deferred"] == [f"{schema}.t_h2", f"{schema}.t_h3"]
+
+    status = run_cli(capsys, *args, "status", "--as-of", "2024-07-01T12:00:00Z")
+    assert status.code == 0, status.err
+    assert f"warning: run {plan.run_key}: {said}" in " ".join(status.out.split())
+    (entry,) = run_cli(capsys, *args, "--json", "status", "--as-of", "2024-07-01T12:00:00Z").json()["policies"]
+    (run,) = entry["runs"]
+    assert run["status"] == "complete, 2 leaf partition(s) not covered"
+    assert run["leaves_deferred"] == [f"{schema}.t_h2", f"{schema}.t_h3"]
+    assert [w["kind"] for w in entry["warnings"]] == ["leaves_deferred"] and entry["failing"] == []

@@ -108,3 +108,32 @@ def pending_detach(admin: Any, schema: str) -> list[str]:
             {"s": schema},
         )
     )
+
+
+HASH_LEAVES = ["t_h0", "t_h1", "t_h2", "t_h3"]
+# Rows a night adds over the four leaves of create_hashed (about a thousand each).
+NIGHTLY_ROWS = 4_000
+
+
+def create_hashed(admin: Any, schema: str) -> str:
+    """``schema.t`` hash-partitioned by id into the four leaves of :data:`HASH_LEAVES`, empty."""
+    name = f'"{schema}"."t"'
+    rows(
+        admin,
+        f"CREATE TABLE {name} (id bigint NOT NULL, created_at timestamptz NOT NULL, payload text)"
+        " PARTITION BY HASH (id)",
+    )
+    for r, leaf in enumerate(HASH_LEAVES):
+        rows(admin, f'CREATE TABLE "{schema}"."{leaf}" PARTITION OF {name} FOR VALUES WITH (MODULUS 4, REMAINDER {r})')
+    return name
+
+
+def insert_night(admin: Any, table: str, night: int, cutoff: Any) -> None:
+    """A night's rows into every leaf (ids hashed over the four): all in the day before ``cutoff``."""
+    rows(
+        admin,
+        f"INSERT INTO {table} SELECT g, %(c)s::timestamptz - (1 + mod(g, 1000)) * interval '1 minute', md5(g::text)"
+        " FROM generate_series(%(first)s::bigint, %(last)s::bigint) g",
+        {"c": cutoff, "first": night * 1_000_000, "last": night * 1_000_000 + NIGHTLY_ROWS - 1},
+    )
+    rows(admin, f"ANALYZE {table}")

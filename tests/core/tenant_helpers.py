@@ -57,6 +57,18 @@ def ledger_tenant_counts(admin: Any, ledger: str, run_key: str) -> dict[str, int
     )
 
 
+def reference_expired_rows(admin: Any, schema: str, table: str, tenant: int = 3, count: int = 5) -> None:
+    """Orders that reference ``count`` of ``tenant``'s expired rows (the last by id): deleting those rows
+    violates a foreign key, so the tenant becomes a dead letter until ``DELETE FROM orders``."""
+    rows(admin, f'CREATE TABLE "{schema}".orders (event_id bigint REFERENCES {table} (id))')
+    rows(
+        admin,
+        f'INSERT INTO "{schema}".orders SELECT id FROM {table} WHERE tenant_id = %(t)s AND status <> %(s)s'
+        " AND created_at < %(c)s ORDER BY id DESC LIMIT %(n)s",
+        {"t": tenant, "s": "open", "c": CUTOFF, "n": count},
+    )
+
+
 def purge(conn: Any, policy: RetentionPolicy, **plan_kwargs: Any) -> Any:
     plan = plan_run(conn, policy, CUTOFF, **plan_kwargs)
     for chunk in plan.chunks:

@@ -193,7 +193,8 @@ def test_the_command_reads_the_metadata_settings_file_like_a_policies_file(tmp_p
 
 def test_per_dag_retention_keeps_each_dags_rows_for_its_own_period_and_counts_them_per_dag(metadata_db: str) -> None:
     """``dag_retention``: dag_0001 a year, dag_0002 a week, the others the common 30 days; the ledger's
-    ``tenant_counts`` holds each DAG's rows deleted; log rows without a DAG stay (no tenant)."""
+    ``tenant_counts`` holds each DAG's rows deleted; log rows without a DAG are purged at the common
+    retention by the table's second policy (issue 32, item 5: they used to stay for good)."""
     am.seed_metadata(metadata_db, ANCHOR, am.MetadataShape(dags=4, days=90, log_rows=4_000, job_rows=10))
     settings = MetadataSettings(
         conn_id="airflow_metadata",
@@ -203,8 +204,21 @@ def test_per_dag_retention_keeps_each_dags_rows_for_its_own_period_and_counts_th
     policies = {p.name: p for p in metadata_policies(settings, am.existing_tables(metadata_db))}
     assert policies["airflow_log"].tenant_column == "dag_id"
     assert policies["airflow_task_reschedule"].tenant_column is None  # its model has no dag_id
+    assert policies["airflow_log_without_dag"].tenant_column is None
+    assert policies["airflow_log_without_dag"].condition == '("log"."dag_id" IS NULL)'
+    assert "airflow_task_reschedule_without_dag" not in policies
     nulls = am.scalar(metadata_db, "SELECT count(*) FROM log WHERE dag_id IS NULL")
-    am.run_policies(metadata_db, [policies["airflow_dag_run"], policies["airflow_log"]], RUN_DATE)
+    old_nulls = am.scalar(
+        metadata_db,
+        f"SELECT count(*) FROM log WHERE dag_id IS NULL AND dttm < %(d)s - interval '{RETENTION_DAYS} days'",
+        {"d": RUN_DATE},
+    )
+    assert old_nulls > 0
+    am.run_policies(
+        metadata_db,
+        [policies["airflow_dag_run"], policies["airflow_log"], policies["airflow_log_without_dag"]],
+        RUN_DATE,
+    )
 
     def oldest_days(dag_id: str, table: str = "log", column: str = "dttm") -> float:
         return float(
@@ -218,7 +232,7 @@ def test_per_dag_retention_keeps_each_dags_rows_for_its_own_period_and_counts_th
     assert oldest_days("dag_0001") > 60  # a year's retention: the 90 days stay
     assert oldest_days("dag_0002") <= 7
     assert 7 < oldest_days("dag_0000") <= RETENTION_DAYS
-    assert am.scalar(metadata_db, "SELECT count(*) FROM log WHERE dag_id IS NULL") == nulls
+    assert am.scalar(metadata_db, "SELECT count(*) FROM log WHERE dag_id IS NULL") == nulls - old_nulls
     counted = dict(
         am.rows(
             metadata_db,

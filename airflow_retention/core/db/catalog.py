@@ -9,7 +9,7 @@ from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError, TableMissing
 from airflow_retention.core.policy.identifiers import TableName, display_name, quote_ident
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.sql.catalog import RELATION_KIND, SCHEMA_STATE, TABLE_PRIVILEGES
+from airflow_retention.core.sql.catalog import INHERITANCE_CHILDREN, RELATION_KIND, SCHEMA_STATE, TABLE_PRIVILEGES
 from airflow_retention.core.sql.predicate import condition_probe
 from airflow_retention.core.sql.target import TargetInfo
 
@@ -41,6 +41,15 @@ WITH RECURSIVE d AS (
 SELECT format('%%I.%%I', n.nspname, t.typname), t.typcategory::text
 FROM d JOIN pg_catalog.pg_type t ON t.oid = d.oid JOIN pg_catalog.pg_namespace n ON n.oid = t.typnamespace
 WHERE d.typbasetype = 0
+"""
+
+# A column's collation, schema-qualified and quoted; NULL for a type that has none.
+_COLLATION_SQL = """
+SELECT format('%%I.%%I', n.nspname, c.collname)
+FROM pg_catalog.pg_attribute a
+JOIN pg_catalog.pg_collation c ON c.oid = a.attcollation
+JOIN pg_catalog.pg_namespace n ON n.oid = c.collnamespace
+WHERE a.attrelid = %(rel)s::regclass AND a.attname = %(col)s
 """
 
 # The leading columns of every valid index on the table, plus whether it is unique.
@@ -81,6 +90,21 @@ def require_privileges(conn: Any, policy: RetentionPolicy, relation: TableName, 
         )
 
 
+def _refuse_inheritance(conn: Any, policy: RetentionPolicy) -> None:
+    """A plain table with inheritance children is refused: a statement on it also reads and deletes the
+    children's rows, so block chunks (TID ranges of the parent's blocks alone) would cover the children
+    only where their block numbers happen to fall inside the parent's, and a key's uniqueness holds only
+    per table. A policy per child (and ``ONLY`` semantics for the parent) is what a DBA can reason about."""
+    children = [c for (c,) in dbapi.fetch_all(conn, INHERITANCE_CHILDREN, {"rel": policy.table.regclass_literal})]
+    if children:
+        raise PermanentError(
+            f"policy {policy.name!r}: field 'table': {policy.table} has {len(children)} inheritance child"
+            f" table(s) ({', '.join(children[:5])}{' …' if len(children) > 5 else ''}): a statement on it reaches"
+            " their rows too, which its chunks cannot cover; give each child table a policy of its own (and"
+            " the parent too, once it has no children), or make it a partitioned table; nothing was deleted"
+        )
+
+
 def _relation_exists(conn: Any, table: TableName) -> bool:
     rows = dbapi.fetch_all(conn, "SELECT to_regclass(%(rel)s) IS NOT NULL", {"rel": table.regclass_literal})
     return bool(rows[0][0])
@@ -106,6 +130,8 @@ def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False, p
             " a policy purges a table or a partitioned table"
         )
     partitioned = kind == "p"
+    if not partitioned:
+        _refuse_inheritance(conn, policy)
     if partitioned and policy.chunk_by == "key":
         raise PermanentError(
             f"{where}: field 'chunk_by': {policy.table} is a partitioned table; key chunks need a unique index on"
@@ -138,7 +164,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False, p
             f"{where}: field 'timestamp_column': column {policy.timestamp_column!r} is {ts_type};"
             " it must be timestamptz or timestamp"
         )
-    tenant_type, tenant_base = None, None
+    tenant_type, tenant_base, tenant_collation = None, None, None
     if policy.tenant_column:
         column_type("tenant_column", policy.tenant_column)
         tenant_type = declared[policy.tenant_column]
@@ -148,6 +174,8 @@ def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False, p
                 f"{where}: field 'tenant_column': column {display_name(policy.tenant_column)} is {tenant_type},"
                 " an array; a tenant is one value (text, a number, a uuid, an enum...)"
             )
+        collation = dbapi.fetch_all(conn, _COLLATION_SQL, {**rel, "col": policy.tenant_column})
+        tenant_collation = collation[0][0] if collation else None
 
     indexes = dbapi.fetch_all(conn, _INDEXES_SQL, rel)
     if by_key and not any(unique and nkeys == 1 and cols == [policy.key_column] for unique, nkeys, cols in indexes):
@@ -211,6 +239,7 @@ def inspect_target(conn: Any, policy: RetentionPolicy, *, quiet: bool = False, p
         partitioned=partitioned,
         wal_compression=batch_wal_compression(conn, policy),
         tenant_base_type=tenant_base,
+        tenant_collation=tenant_collation,
     )
     # A partitioned table's leaves are checked by the planner (core/planning/partitions.py): rows are deleted there.
     if privileges:

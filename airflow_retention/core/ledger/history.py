@@ -1,11 +1,13 @@
 """What a policy's past runs tell its next ones: the rate its chunks went at (the planner sizes chunks
-by it), the cleanup lag each run left and its vacuum, and the plans that failed before any run row
-recorded them (``plan_failures``).
+by it), when they last covered each leaf of a partitioned table (the planner carries the leaves past its
+chunk budget over), the cleanup lag each run left and its vacuum, and the plans that failed before any
+run row recorded them (``plan_failures``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -23,7 +25,7 @@ MIN_RATE_SECONDS = 1.0
 
 
 class LedgerHistory(LedgerSchema):
-    """Measured rates, cleanup lag, vacuums and failed plans of the ledger's policies."""
+    """Measured rates, leaf coverage, cleanup lag, vacuums and failed plans of the ledger's policies."""
 
     def measured_rate(self, conn: Any, policy: str, *, dry_run: bool, blocks: bool) -> MeasuredRate | None:
         """How fast the policy's chunks went in its previous runs: rows and blocks over seconds of its
@@ -46,6 +48,41 @@ class LedgerHistory(LedgerSchema):
         if not chunks or float(seconds) < MIN_RATE_SECONDS:
             return None
         return MeasuredRate(int(chunks), int(n_rows), int(n_blocks) if blocks else None, float(seconds))
+
+    def leaf_coverage(self, conn: Any, policy: str, *, dry_run: bool, oids: Sequence[int]) -> dict[int, datetime]:
+        """When the policy's earlier planned runs (of the same mode) last covered each of the leaves
+        ``oids``: per leaf, the latest cutoff of a run whose chunks on that leaf all completed; a leaf
+        no such run covered is left out. The planner plans first the leaves least recently covered
+        when they do not all fit its chunk budget.
+
+        The cutoff, not the completion time: a backfill of an old date, completed today, cleared the
+        leaf only up to its own cutoff. Reads only, and works without a ledger (the plan preview of a
+        policy never run): empty then, as on a ledger older than version 3 (no partition chunks), or
+        when this role may not read the ledger (the plan falls back to the tree's order)."""
+        version = self.version(conn)  # to_regclass: no ledger yet is no error
+        if version is None or version < 3 or not oids:
+            return {}
+        try:
+            rows = dbapi.fetch_all(
+                conn,
+                "SELECT partition_oid, max(cutoff) FROM ("
+                "  SELECT c.partition_oid, r.cutoff"
+                f"  FROM {self.s}.chunks c JOIN {self.s}.runs r USING (run_key)"
+                "   WHERE r.policy = %(p)s::text AND r.dry_run = %(d)s::boolean AND r.run_key NOT LIKE '%%#lone'"
+                "   AND c.action IS NULL AND c.partition_oid = ANY (%(oids)s::bigint[])"
+                "   GROUP BY r.run_key, r.cutoff, c.partition_oid HAVING bool_and(c.state = 'complete')"
+                ") covered GROUP BY partition_oid",
+                {"p": policy, "d": dry_run, "oids": list(oids)},
+            )
+        except PermanentError as exc:
+            if "(SQLSTATE 42501)" not in str(exc):
+                raise
+            log.warning(
+                "no privilege on the ledger %s: leaves past the chunk budget are planned in the tree's order",
+                self.schema,
+            )
+            return {}
+        return {int(oid): cutoff for oid, cutoff in rows}
 
     def record_cleanup_lag(
         self, conn: Any, run_key: str, *, oldest: datetime | None, left: int, lag_seconds: float

@@ -135,6 +135,9 @@ class RunRecord:
     rows_planned: int
     planned_by: str | None
     run_date: datetime | None = None  # the run's date, the cutoff frozen from it; None when not known
+    # A partitioned table's leaves with eligible rows that the plan left out (past the chunk budget);
+    # None where that does not apply (a table that is not partitioned, a lone chunk's run).
+    leaves_deferred: tuple[str, ...] | None = None
 
     @classmethod
     def of(
@@ -148,6 +151,7 @@ class RunRecord:
         rows_planned: int,
         planned_by: str | None,
         run_date: datetime | None = None,
+        leaves_deferred: tuple[str, ...] | None = None,
     ) -> RunRecord:
         return cls(
             run_key=run_key,
@@ -161,4 +165,5 @@ class RunRecord:
             rows_planned=rows_planned,
             planned_by=planned_by,
             run_date=run_date,
+            leaves_deferred=leaves_deferred,
         )

@@ -20,11 +20,19 @@ RUN_FIELDS = (
     "run_key", "policy", "target_table", "cutoff", "dry_run", "state", "chunk_rows", "batch_size",
     "chunks_expected", "rows_planned", "planned_at", "planned_by", "completed_at", "chunks_completed",
     "rows_deleted", "rows_archived", "rows_matched", "verified_by", "oldest_eligible_at", "eligible_left",
-    "cleanup_lag_seconds", "lag_measured_at", "vacuumed_at", "run_date",
+    "cleanup_lag_seconds", "lag_measured_at", "vacuumed_at", "run_date", "leaves_deferred",
 )  # fmt: skip
-# run_date (version 5) is read through the row's JSON, NULL on a ledger not migrated yet: the CLI's
-# status and the UI read a ledger without migrating it, and must not fail on one of version 4.
-RUN_COLUMNS = ", ".join(RUN_FIELDS[:-1]) + ", (to_jsonb(runs) ->> 'run_date')::timestamptz"
+# The columns of later versions are read through the row's JSON, NULL on a ledger not migrated yet: the
+# CLI's status and the UI read a ledger without migrating it, and must not fail on an older one.
+_LATER_COLUMNS = {
+    "run_date": "(to_jsonb(runs) ->> 'run_date')::timestamptz",  # version 5
+    "leaves_deferred": (  # version 7: a text[] back from its JSON array, NULL when the column is not there
+        "CASE jsonb_typeof(to_jsonb(runs) -> 'leaves_deferred') WHEN 'array'"
+        " THEN ARRAY(SELECT e FROM jsonb_array_elements_text(to_jsonb(runs) -> 'leaves_deferred')"
+        " WITH ORDINALITY AS d (e, n) ORDER BY n) END"
+    ),
+}
+RUN_COLUMNS = ", ".join(_LATER_COLUMNS.get(name, name) for name in RUN_FIELDS)
 
 
 class LedgerRuns(LedgerSchema):
@@ -36,10 +44,10 @@ class LedgerRuns(LedgerSchema):
         empty_and_done = complete_if_empty and run.chunks_expected == 0
         cur.execute(
             f"INSERT INTO {self.s}.runs (run_key, policy, target_table, cutoff, dry_run, state, chunk_rows,"
-            " batch_size, chunks_expected, rows_planned, planned_by, run_date)"
+            " batch_size, chunks_expected, rows_planned, planned_by, run_date, leaves_deferred)"
             " VALUES (%(run_key)s, %(policy)s, %(table)s, %(cutoff)s::timestamptz, %(dry_run)s::boolean,"
             " %(state)s, %(chunk_rows)s::bigint, %(batch_size)s::integer, %(chunks)s::integer,"
-            " %(rows)s::bigint, %(by)s, %(run_date)s::timestamptz)"
+            " %(rows)s::bigint, %(by)s, %(run_date)s::timestamptz, %(deferred)s::text[])"
             " ON CONFLICT (run_key) DO NOTHING RETURNING run_key",
             {
                 "run_key": run.run_key,
@@ -54,6 +62,7 @@ class LedgerRuns(LedgerSchema):
                 "rows": run.rows_planned,
                 "by": run.planned_by,
                 "run_date": run.run_date,
+                "deferred": list(run.leaves_deferred) if run.leaves_deferred is not None else None,
             },
         )
         created = cur.fetchone() is not None

@@ -12,7 +12,7 @@ from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.policy.identifiers import check_ident, quote_ident
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 MIGRATION_LOCK_TIMEOUT_MS = 30_000
 
@@ -171,6 +171,12 @@ CREATE TABLE IF NOT EXISTS {s}.plan_failures (
     failed_at          timestamptz NOT NULL DEFAULT clock_timestamp(),
     PRIMARY KEY (policy, run_key)
 );
+""",
+    # A partitioned table with more leaves to purge than the chunk budget (Airflow's max_map_length): the
+    # leaves a run's plan left for later runs, so that its record says what it did not cover. NULL for the
+    # runs recorded before (not known); an empty array when the plan covered every leaf with rows.
+    7: """
+ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS leaves_deferred text[];
 """,
 }
 

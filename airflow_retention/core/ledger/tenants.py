@@ -106,13 +106,19 @@ class LedgerTenants(LedgerSchema):
             },
         )
 
-    def add_redone_rows(self, cur: Any, run_key: str, chunk_key: str, deleted: int) -> None:
-        """Rows a complete chunk deleted when it purged its dead-lettered tenants again."""
+    def add_redone_rows(
+        self, cur: Any, run_key: str, chunk_key: str, *, deleted: int, archived: int, matched: int
+    ) -> None:
+        """One batch a complete chunk ran when it purged its dead-lettered tenants again: its rows deleted,
+        archived and matched (a dry run) and the batch itself, added to the chunk's counts as any batch's
+        are, in the batch's transaction."""
         cur.execute(
-            f"UPDATE {self.s}.chunks SET rows_deleted = rows_deleted + %(n)s::bigint,"
-            " outcome = CASE WHEN %(n)s::bigint > 0 THEN 'deleted' ELSE outcome END,"
+            f"UPDATE {self.s}.chunks SET rows_deleted = rows_deleted + %(d)s::bigint,"
+            " rows_archived = rows_archived + %(a)s::bigint, rows_matched = rows_matched + %(m)s::bigint,"
+            " batches = batches + 1,"
+            " outcome = CASE WHEN %(d)s::bigint > 0 THEN 'deleted' ELSE outcome END,"
             " last_batch_at = clock_timestamp() WHERE run_key = %(r)s AND chunk_key = %(c)s",
-            {"r": run_key, "c": chunk_key, "n": deleted},
+            {"r": run_key, "c": chunk_key, "d": deleted, "a": archived, "m": matched},
         )
 
     def resolve_dead_letters(self, cur: Any, run_key: str, chunk_key: str, tenants: Sequence[str]) -> None:

@@ -16,7 +16,9 @@ partition left pending by an interrupted ``DETACH … CONCURRENTLY``) and decide
   and skipped when it has none.
 
 Leaves attached after planning wait for the next run; a leaf detached or dropped before its chunk
-runs completes that chunk with 0 rows (``core/running/engine.py``).
+runs completes that chunk with 0 rows (``core/running/engine.py``). More leaves with rows than the chunk
+budget: the walker plans those least recently covered by the policy's runs and records the others as
+deferred (``walkers/partitions.py``, ``carry_over``).
 """
 
 from __future__ import annotations

@@ -118,6 +118,7 @@ def plan_run(
                 rows_planned=rows,
                 planned_by=planned_by,
                 run_date=preview.run_date,
+                leaves_deferred=preview.leaves_deferred,
             ),
         )
         if created:

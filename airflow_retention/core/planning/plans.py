@@ -77,6 +77,9 @@ class Preview:
     # rows_planned is an estimate (a block sample of part of the table, a partition's statistics), not a
     # count: key groups, index-bounded block spans, a 100 % sample and a probe of an empty run count exactly.
     rows_estimated: bool = False
+    # A partitioned table's leaves with eligible rows left for later runs (past the chunk budget), by
+    # name; None for a table that is not partitioned (recorded in the ledger as runs.leaves_deferred).
+    leaves_deferred: tuple[str, ...] | None = None
 
 
 def empty_preview(

@@ -20,9 +20,9 @@ from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.cutoff import require_run_date
-from airflow_retention.core.policy.durations import Retention
 from airflow_retention.core.policy.identifiers import quote_ident
 from airflow_retention.core.policy.model import RetentionPolicy, has_per_tenant_rules
+from airflow_retention.core.sql.predicate import tenant_value
 from airflow_retention.core.sql.target import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -86,41 +86,42 @@ def frozen(conn: Any, ledger: Ledger, policy: RetentionPolicy, run_key: str, cut
     return TenantCutoffs(cutoff, overrides)
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One tenant's retention as a source gives it: ``tenant`` as the column prints it."""
+
+    tenant: str
+    retention: str
+    cutoff: datetime
+    source: str  # "policy" (tenant_retention) or "table" (tenant_retention_table)
+
+
 def compute(
     conn: Any, policy: RetentionPolicy, target: TargetInfo, cutoff: datetime, anchor: datetime
 ) -> TenantCutoffs:
     """The overrides of a run whose date is ``anchor``: the lookup table's, then the policy's map over it.
     Raises :class:`PermanentError` naming the field for a tenant value the column cannot hold, a lookup
-    table without its columns, or a retention that is not positive; nothing is written."""
-    found: dict[str, tuple[Retention | str, str]] = {}
+    table without its columns, or a retention that is not positive; nothing is written.
+
+    Entries name one tenant when the column compares them equal, not when they print alike: ``acme``
+    and ``ACME`` of a ``citext`` column or of a case-insensitive collation, ``7`` and ``7.0`` of a
+    ``numeric``. Among such entries of one source the longest retention wins (it keeps the most rows);
+    the policy's map wins over the table (:func:`_resolve`)."""
+    entries: list[_Entry] = []
     if policy.tenant_retention_table is not None:
         table = _read_table(conn, policy, target)
         canonical = as_printed(conn, policy, target, [t for t, _ in table], "tenant_retention_table")
-        longest = _longest_per_tenant(conn, policy, anchor, [(canonical[t], r) for t, r in table])
-        for tenant, retention in longest.items():
-            found[tenant] = (retention, "table")
+        cutoffs = _table_cutoffs(conn, anchor, [r for _, r in table])
+        entries += [_Entry(canonical[t], r, c, "table") for (t, r), c in zip(table, cutoffs, strict=True)]
     if policy.tenant_retention:
         canonical = as_printed(conn, policy, target, [t for t, _ in policy.tenant_retention], "tenant_retention")
-        mapped: dict[str, Retention] = {}
         for tenant, retention in policy.tenant_retention:
-            # Two keys the column prints alike ('007' and '7' of an integer column): the longest wins, as above.
-            earlier = mapped.get(canonical[tenant])
-            if earlier is None or retention.before(anchor) < earlier.before(anchor):
-                mapped[canonical[tenant]] = retention
-        for tenant, retention in mapped.items():
-            found[tenant] = (retention, "policy")
-    if not found:
-        return TenantCutoffs(cutoff)
-    overrides = []
-    table_rows = {t: r for t, (r, s) in found.items() if s == "table"}
-    table_cutoffs = _table_cutoffs(conn, anchor, table_rows) if table_rows else {}
-    for tenant, (retention, source) in sorted(found.items()):
-        if isinstance(retention, Retention):
             moment = retention.before(anchor)
-            tenant_cutoff = datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc)
-            overrides.append((tenant, str(retention), tenant_cutoff, source))
-        else:
-            overrides.append((tenant, retention, table_cutoffs[tenant], source))
+            at = datetime.fromtimestamp(moment.timestamp(), tz=timezone.utc)
+            entries.append(_Entry(canonical[tenant], str(retention), at, "policy"))
+    if not entries:
+        return TenantCutoffs(cutoff)
+    overrides = sorted((e.tenant, e.retention, e.cutoff, e.source) for e in _resolve(conn, policy, target, entries))
     (now,) = dbapi.fetch_all(conn, "SELECT now()")[0]
     future = [(t, c) for t, _, c, _ in overrides if c > now]
     if future:
@@ -138,6 +139,55 @@ def compute(
         + (" …" if len(overrides) > 10 else ""),
     )
     return TenantCutoffs(cutoff, tuple(overrides))
+
+
+def _resolve(conn: Any, policy: RetentionPolicy, target: TargetInfo, entries: list[_Entry]) -> list[_Entry]:
+    """One entry per tenant, tenants being equal as the column compares them (the server groups the
+    values by the column's type and collation: the equality every statement's ``array_position`` then
+    applies to a row). Within a group the policy's entries win over the table's; among those, the
+    longest retention (the earliest cutoff; an exact tie, the first in text order, the same on every
+    run). A tenant named more than once by one source is logged with its retentions: remove the
+    duplicates."""
+    chosen = []
+    for group in _equal_groups(conn, target, [e.tenant for e in entries]):
+        members = [entries[i] for i in group]
+        source = "policy" if any(m.source == "policy" for m in members) else "table"
+        rivals = [m for m in members if m.source == source]
+        best = min(rivals, key=lambda m: (m.cutoff, m.retention))
+        chosen.append(best)
+        if len(rivals) > 1:
+            spellings = sorted({m.tenant for m in rivals})
+            where = (
+                f"tenant_retention_table {policy.tenant_retention_table}" if source == "table" else "tenant_retention"
+            )
+            log.warning(
+                "policy %s: %s lists tenant %r %d times (retention %s)%s: the longest, %s, applies (it keeps the"
+                " most rows); remove the duplicates",
+                policy.name,
+                where,
+                best.tenant,
+                len(rivals),
+                ", ".join(sorted(m.retention for m in rivals)),
+                f"; written {', '.join(map(repr, spellings))}, one value of column {policy.tenant_column!r}"
+                f" ({target.tenant_type})"
+                if len(spellings) > 1
+                else "",
+                best.retention,
+            )
+    return chosen
+
+
+def _equal_groups(conn: Any, target: TargetInfo, values: list[str]) -> list[list[int]]:
+    """The indexes of ``values`` grouped by equality as the tenant column compares them: its type
+    (``citext``, ``numeric``: ``7`` = ``7.0``) and its collation (a nondeterministic one:
+    ``acme`` = ``ACME``), in the order of each group's first value."""
+    rows = dbapi.fetch_all(
+        conn,
+        f"SELECT array_agg(i::integer - 1 ORDER BY i) FROM unnest(%(t)s::text[]) WITH ORDINALITY AS x(t, i)"
+        f" GROUP BY {tenant_value(target, 'x.t')} ORDER BY min(i)",
+        {"t": values},
+    )
+    return [list(r[0]) for r in rows]
 
 
 def _read_table(conn: Any, policy: RetentionPolicy, target: TargetInfo) -> list[tuple[str, str]]:
@@ -174,54 +224,15 @@ def _read_table(conn: Any, policy: RetentionPolicy, target: TargetInfo) -> list[
     return [(t, r) for t, r, _ in rows]
 
 
-def _longest_per_tenant(
-    conn: Any, policy: RetentionPolicy, anchor: datetime, rows: list[tuple[str, str]]
-) -> dict[str, str]:
-    """One retention per tenant of the lookup table. A tenant listed more than once (no unique index on
-    the table, or two values the column prints alike) gets its longest retention, the one that keeps the
-    most rows (the earliest cutoff from this run's date; an exact tie, the first in text order), never
-    whichever row the scan returned last; a warning names the tenant and its rows."""
-    by_tenant: dict[str, list[str]] = {}
-    for tenant, retention in rows:
-        by_tenant.setdefault(tenant, []).append(retention)
-    duplicated = {t: sorted(rs) for t, rs in by_tenant.items() if len(rs) > 1}
-    if not duplicated:
-        return {t: rs[0] for t, rs in by_tenant.items()}
-    pairs = [(t, r) for t, rs in duplicated.items() for r in rs]
-    # The server compares the cutoffs, calendar-aware as for ``retention`` ('1 month' against '30 days').
-    ordered = dbapi.fetch_all(
-        conn,
-        "SELECT t, r FROM unnest(%(t)s::text[], %(r)s::text[]) AS x(t, r)"
-        " ORDER BY t, (%(a)s::timestamptz AT TIME ZONE 'UTC') - r::interval, r",
-        {"a": anchor, "t": [t for t, _ in pairs], "r": [r for _, r in pairs]},
-    )
-    chosen = {t: rs[0] for t, rs in by_tenant.items()}
-    for tenant, retention in reversed(ordered):  # the first row of each tenant (earliest cutoff) wins
-        chosen[tenant] = retention
-    for tenant, retentions in sorted(duplicated.items()):
-        log.warning(
-            "policy %s: tenant_retention_table %s lists tenant %r %d times (retention %s): the longest, %s,"
-            " applies (it keeps the most rows); remove the duplicate rows",
-            policy.name,
-            policy.tenant_retention_table,
-            tenant,
-            len(retentions),
-            ", ".join(retentions),
-            chosen[tenant],
-        )
-    return chosen
-
-
-def _table_cutoffs(conn: Any, anchor: datetime, rows: dict[str, Retention | str]) -> dict[str, datetime]:
-    """``anchor - interval`` in UTC, by the server (calendar-aware, as for ``retention``)."""
-    tenants = list(rows)
+def _table_cutoffs(conn: Any, anchor: datetime, retentions: list[str]) -> list[datetime]:
+    """``anchor - interval`` in UTC for each retention, by the server (calendar-aware, as for ``retention``)."""
     found = dbapi.fetch_all(
         conn,
-        "SELECT t, ((%(a)s::timestamptz AT TIME ZONE 'UTC') - r::interval) AT TIME ZONE 'UTC'"
-        " FROM unnest(%(t)s::text[], %(r)s::text[]) AS x(t, r)",
-        {"a": anchor, "t": tenants, "r": [str(rows[t]) for t in tenants]},
+        "SELECT ((%(a)s::timestamptz AT TIME ZONE 'UTC') - r::interval) AT TIME ZONE 'UTC'"
+        " FROM unnest(%(r)s::text[]) WITH ORDINALITY AS x(r, i) ORDER BY i",
+        {"a": anchor, "r": retentions},
     )
-    return dict(found)
+    return [c for (c,) in found]
 
 
 def as_printed(

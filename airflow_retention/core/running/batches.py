@@ -94,11 +94,17 @@ class TenantPassBatch(BatchStatement):
         return Counts.of_tenants(per_tenant, failures)
 
 
+def counts_tenants(policy: RetentionPolicy, chunk: ChunkSpec) -> bool:
+    """Whether the chunk's batches are one-pass batches counted per tenant (:class:`TenantPassBatch`)."""
+    return batch_counts_tenants(policy, listed_tenants=chunk.tenants is not None)
+
+
 def statement_for(policy: RetentionPolicy, target: TargetInfo, chunk: ChunkSpec) -> BatchStatement:
     """The batch statement of a chunk, by the policy's kind of batch (block batches of a leaf partition
-    run on the leaf: a TID range only means something on one physical table)."""
+    run on the leaf: a TID range only means something on one physical table). Every batch of a policy
+    with a tenant column counts its tenants: one pass over the range, or one listed tenant at a time."""
     leaf = TableName.parse(chunk.partition) if chunk.partition is not None else None
-    if batch_counts_tenants(policy):
+    if counts_tenants(policy, chunk):
         return TenantPassBatch(tenant_batch(policy, target, leaf), tenants_in_batch_statement(policy, target, leaf))
     text = batch_statement(policy, target, tenant_filter=chunk.tenants is not None, relation=leaf)
     returns_counts = batch_statement_returns_counts(policy)

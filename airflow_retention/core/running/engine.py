@@ -38,12 +38,12 @@ from airflow_retention.core.planning.walkers.keys import KeyWalker, TenantKeyWal
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.admission import check_chunk, ensure_chunk_row
-from airflow_retention.core.running.batches import BatchStatement, Counts, check_archived, statement_for
+from airflow_retention.core.running.batches import BatchStatement, Counts, check_archived, counts_tenants, statement_for
 from airflow_retention.core.running.context import BatchReport, ChunkResult, ChunkRun, default_host
 from airflow_retention.core.running.detach import run_partition_chunk
 from airflow_retention.core.running.pacing import Pacer, Throttler, conflict_backoff
 from airflow_retention.core.running.progress import LedgerProgress, Progress, RedoProgress, leaf_vanished
-from airflow_retention.core.sql.batches import batch_counts_tenants, batch_walk_statement
+from airflow_retention.core.sql.batches import batch_walk_statement
 from airflow_retention.core.sql.target import TargetInfo
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def run_chunk(
     try:
         walker, statement = walker_for(policy, target, chunk), statement_for(policy, target, chunk)
         walk(run, walker, statement, LedgerProgress(run, walker))
-        if batch_counts_tenants(policy) or chunk.tenants is not None:
+        if counts_tenants(policy, chunk) or chunk.tenants is not None:
             settle_dead_letters(run, statement)
     except RetentionError as exc:
         backoffs, backoff_s = run.throttler.take()

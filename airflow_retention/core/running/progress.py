@@ -21,11 +21,10 @@ from airflow_retention.core.ledger.records import ChunkSpec, DeadLetter
 from airflow_retention.core.planning.walkers.base import Batch, Position, Walker
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.running.batches import Counts
+from airflow_retention.core.running.batches import Counts, counts_tenants
 from airflow_retention.core.running.context import ChunkRun
 from airflow_retention.core.running.isolation import TenantFailure
 from airflow_retention.core.running.partition_checks import gone_reason, partition_state
-from airflow_retention.core.sql.batches import batch_counts_tenants
 from airflow_retention.core.sql.partitions import lock_statement
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ class LedgerProgress(Progress):
     def params(self, cur: Any) -> dict[str, Any]:
         run = self.run
         params = super().params(cur)
-        if batch_counts_tenants(run.policy):
+        if counts_tenants(run.policy, run.chunk):
             # The chunk's dead letters are left out of its later batches.
             params["skip"] = [d["tenant"] for d in run.ledger.open_dead_letters(cur, run.key, run.chunk.key)]
         return params
@@ -191,7 +190,9 @@ class RedoProgress(Progress):
     def record(self, cur: Any, at: Position, after: Position, batch: Batch, counts: Counts, size: int) -> bool:
         run = self.run
         self.count_tenants(cur, counts)
-        run.ledger.add_redone_rows(cur, run.key, run.chunk.key, counts.deleted)
+        run.ledger.add_redone_rows(
+            cur, run.key, run.chunk.key, deleted=counts.deleted, archived=counts.archived, matched=counts.matched
+        )
         run.backoffs = run.throttler.take()
         self.pending = (after, counts.failures)
         failed_again = {f.tenant for f in counts.failures}

@@ -41,6 +41,11 @@ class Verification:
     :param left: open dead letters, ``"<chunk key> (tenant T left: <cause>)"``: tenants of a chunk whose
         rows were left behind (the chunk itself is complete, its other tenants purged). They keep the
         run from being complete like a missing chunk does.
+    :param deferred: a partitioned table's leaves with eligible rows that the plan left out, past the
+        chunk budget (``runs.leaves_deferred``). They do not keep the run from being ``ok`` (its planned
+        chunks are all it will ever do; failing every night would not get them purged sooner: the next
+        run plans them first), but :meth:`describe` never calls such a run plainly complete, and
+        :attr:`covers_all` is false.
     """
 
     run_key: str
@@ -50,14 +55,26 @@ class Verification:
     rows_deleted: int = 0
     run_found: bool = True
     left: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        """Every planned chunk complete, no tenant left: nothing more will happen in this run."""
         return self.run_found and not self.missing and not self.left
+
+    @property
+    def covers_all(self) -> bool:
+        """Whether the run's plan took every leaf with eligible rows (no leaf deferred past the budget)."""
+        return not self.deferred
 
     def describe(self) -> str:
         if not self.run_found:
             return f"run {self.run_key}: not in the ledger (never planned)"
+        if self.ok and self.deferred:
+            return (
+                f"run {self.run_key}: all {self.expected} planned chunk(s) complete,"
+                f" {self.rows_deleted:,} row(s) deleted; {not_covered(self.deferred, self.expected)}"
+            )
         if self.ok:
             return (
                 f"run {self.run_key}: all {self.expected} expected chunk(s) complete,"
@@ -72,11 +89,22 @@ class Verification:
             text += f"; missing: {_listed(self.missing)}"
         if self.left:
             text += f"; dead letters (tenants not purged): {_listed(self.left)}"
+        if self.deferred:
+            text += f"; {not_covered(self.deferred, self.expected)}"
         return text
 
 
 def _listed(items: Sequence[str]) -> str:
     return ", ".join(items[:20]) + (" …" if len(items) > 20 else "")
+
+
+def not_covered(leaves: Sequence[str], budget: int) -> str:
+    """What a run whose plan deferred ``leaves`` past the chunk budget did not do, in words (the verify,
+    the sensor's log, the CLI). ``budget``: the run's planned chunks, which such a plan always fills."""
+    return (
+        f"{len(leaves)} leaf partition(s) with eligible rows not covered by this run (past the chunk budget"
+        f" of {budget}; max_map_length): {_listed(leaves)} — the next run plans them first"
+    )
 
 
 def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[str] | None = None) -> Verification:
@@ -106,6 +134,7 @@ def verify_run(conn: Any, ledger: Ledger, run_key: str, expected_keys: Sequence[
         missing=missing,
         rows_deleted=sum(rows[k]["rows_deleted"] for k in complete),
         left=left,
+        deferred=list(run["leaves_deferred"] or ()),
     )
 
 

@@ -24,13 +24,17 @@ from airflow_retention.core.sql.target import TargetInfo
 def batch_statement_returns_counts(policy: RetentionPolicy) -> bool:
     """Whether :func:`batch_statement` returns its counts as rows; otherwise the driver's rowcount is
     the number of rows deleted."""
-    return policy.dry_run or policy.archive_table is not None or batch_counts_tenants(policy)
+    return policy.dry_run or policy.archive_table is not None
 
 
-def batch_counts_tenants(policy: RetentionPolicy) -> bool:
-    """Whether :func:`batch_statement` returns one row per tenant (tenant, deleted, archived, matched):
-    one-pass tenant policies (block chunks with a tenant column) count every tenant of every batch."""
-    return policy.tenant_column is not None and policy.chunk_by == "block"
+def batch_counts_tenants(policy: RetentionPolicy, *, listed_tenants: bool = False) -> bool:
+    """Whether a chunk's batches are one-pass batches (:func:`tenant_batch`: one row per tenant, tenant,
+    deleted, archived, matched): every batch of a policy with a tenant column counts its tenants, so
+    that ``tenant_counts`` and ``max_rows_per_tenant`` hold on every path. Block chunks always; key
+    chunks that list no tenants (the planner's fallback past too many tenants, a lone key chunk) too;
+    key chunks that list their tenants walk them one at a time and count each
+    (``listed_tenants``)."""
+    return policy.tenant_column is not None and (policy.chunk_by == "block" or not listed_tenants)
 
 
 def batch_walk_statement(policy: RetentionPolicy, target: TargetInfo, *, tenant_filter: bool) -> str:
@@ -87,7 +91,7 @@ def batch_statement(
     """One batch of a policy without per-tenant counting, by kind: a dry run's count, a ``DELETE`` that
     archives (one row: deleted, archived, matched), or a plain ``DELETE``. Block batches run on
     ``relation`` (a leaf partition) when given: a TID range only means something on one physical table."""
-    if batch_counts_tenants(policy):
+    if batch_counts_tenants(policy, listed_tenants=tenant_filter):
         raise ValueError("a one-pass tenant policy's batches come from tenant_batch()")
     table = target_from(policy, relation)
     rows = batch_rows(policy, target, tenant_filter=tenant_filter)
@@ -129,7 +133,7 @@ def tenant_batch(policy: RetentionPolicy, target: TargetInfo, relation: TableNam
     leaves out the chunk's dead letters."""
     table = target_from(policy, relation)
     tenant = quote_ident(str(policy.tenant_column))
-    rows = batch_rows(policy, target, tenant_filter=False) + tenant_choice(tenant)
+    rows = batch_rows(policy, target, tenant_filter=False) + tenant_choice(tenant, target)
     # A dry run only counts, archive table or not: it never reaches the DELETE of the archive branch
     # (and runs read-only besides, core/running/engine.py).
     if policy.archive_table is None or policy.dry_run:
@@ -145,10 +149,11 @@ def tenant_batch(policy: RetentionPolicy, target: TargetInfo, relation: TableNam
 
 
 def tenants_in_batch_statement(policy: RetentionPolicy, target: TargetInfo, relation: TableName | None = None) -> str:
-    """The tenants with eligible rows in a one-pass batch's blocks (``%(lo_tid)s``, ``%(hi_tid)s``)."""
+    """The tenants with eligible rows in a one-pass batch's blocks (``%(lo_tid)s``, ``%(hi_tid)s``) or
+    keys (``%(lo)s`` to ``%(upper)s`` of ``[%(lo)s, %(hi)s)``), one per tenant as the column compares them."""
     tenant = quote_ident(str(policy.tenant_column))
-    pred = eligibility(policy, target, tenant_filter=False, key_range=False)
+    rows = batch_rows(policy, target, tenant_filter=False)
     return (
-        f"SELECT DISTINCT {tenant}::text FROM {target_from(policy, relation)}\n"
-        f"WHERE {in_blocks(pred)}{tenant_choice(tenant)}\nORDER BY 1"
+        f"SELECT {tenant}::text FROM {target_from(policy, relation)}\n"
+        f"WHERE {rows}{tenant_choice(tenant, target)}\nGROUP BY {tenant} ORDER BY 1"
     )

@@ -8,6 +8,12 @@ from __future__ import annotations
 RELATION_KIND = "SELECT c.relkind::text FROM pg_catalog.pg_class c WHERE c.oid = %(rel)s::regclass"
 
 
+# A plain table's inheritance children (CREATE TABLE ... INHERITS), by name: a statement on the parent
+# reads and deletes their rows too, while its physical blocks are the parent's alone.
+INHERITANCE_CHILDREN = (
+    "SELECT i.inhrelid::regclass::text FROM pg_catalog.pg_inherits i WHERE i.inhparent = %(rel)s::regclass ORDER BY 1"
+)
+
 # The table's size in blocks now, the server's estimate of its rows (reltuples), the server's version.
 BLOCK_COUNT = (
     "SELECT pg_relation_size(%(rel)s::regclass) / current_setting('block_size')::bigint,"

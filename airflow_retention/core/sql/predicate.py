@@ -77,16 +77,36 @@ def _per_tenant(policy: RetentionPolicy, target: TargetInfo) -> list[str]:
     ts = quote_ident(policy.timestamp_column)
     tenant = quote_ident(str(policy.tenant_column))
     # The tenant lists are cast once to the column's type (folded by the server), so that each row is
-    # compared as it is stored instead of paying a text cast of its tenant. The type carries its
-    # modifier (character(4), not character, which is char(1) and would cut 'acme' to 'a'), and every
-    # value was checked to fit it unchanged when the run was planned (tenants.compute).
-    typed = f"::text[]::{target.tenant_type}[]" if target.tenant_type else "::text[]"
-    own = f"(%(oc)s::timestamptz[])[array_position(%(ot)s{typed}, {tenant})]"
+    # compared as it is stored instead of paying a text cast of its tenant. Each frozen tenant is the
+    # only one of the run's overrides equal to it as the column compares (tenants._resolve), so the
+    # first position array_position finds is the row's own cutoff.
+    own = f"(%(oc)s::timestamptz[])[array_position({tenant_values(target, '%(ot)s')}, {tenant})]"
     return [
         f"{ts} < {cutoff_value(target, '%(latest_cutoff)s::timestamptz')}",
         f"{ts} < {cutoff_value(target, f'coalesce({own}, %(cutoff)s::timestamptz)')}",
-        f"(cardinality(%(xt)s::text[]) = 0 OR {tenant} <> ALL(%(xt)s{typed}))",
+        f"(cardinality(%(xt)s::text[]) = 0 OR {tenant} <> ALL({tenant_values(target, '%(xt)s')}))",
     ]
+
+
+def tenant_values(target: TargetInfo, param: str) -> str:
+    """A text[] parameter as an array of the tenant column's type and collation: compared with the
+    column, its elements are equal to a row's tenant exactly when the column says so (``citext``, a
+    case-insensitive collation, ``numeric`` scales). The type carries its modifier (character(4), not
+    character, which is char(1) and would cut 'acme' to 'a'); every value was checked to fit it
+    unchanged when the run was planned (tenants.as_printed)."""
+    if not target.tenant_type:
+        return f"{param}::text[]"
+    return f"{param}::text[]::{target.tenant_type}[]{_collate(target)}"
+
+
+def tenant_value(target: TargetInfo, expr: str) -> str:
+    """A text expression as a value of the tenant column's type and collation (see :func:`tenant_values`)."""
+    return f"{expr}::text::{target.tenant_type}{_collate(target)}"
+
+
+def _collate(target: TargetInfo) -> str:
+    # Explicit, so that a domain's or a type's own collation can never decide instead of the column's.
+    return f" COLLATE {target.tenant_collation}" if target.tenant_collation else ""
 
 
 def key_column(policy: RetentionPolicy) -> str:
@@ -99,21 +119,21 @@ def one_tenant(policy: RetentionPolicy, target: TargetInfo) -> str:
     # One tenant at a time: "= value" lets the (tenant, key) index return keys in order.
     if policy.tenant_column is None or target.tenant_type is None:
         raise ValueError("a tenant filter needs a tenant column")
-    return f"{quote_ident(policy.tenant_column)} = %(tenant)s::text::{target.tenant_type}"
+    return f"{quote_ident(policy.tenant_column)} = {tenant_value(target, '%(tenant)s')}"
 
 
 def in_blocks(pred: str) -> str:
     return "ctid >= %(lo_tid)s::tid AND ctid < %(hi_tid)s::tid\n  AND " + pred
 
 
-def tenant_choice(tenant: str) -> str:
+def tenant_choice(tenant: str, target: TargetInfo) -> str:
     """One-pass statements: only the ``%(only)s`` tenants (NULL: all), never the ``%(skip)s`` ones (the
-    chunk's dead letters: their rows failed, and are left)."""
+    chunk's dead letters: their rows failed, and are left), compared as the column compares tenants."""
     # Written so that the server folds each test away when its list is NULL or empty (the usual
-    # batch): otherwise every row of the batch pays a text cast of its tenant (10 % of the batch).
+    # batch), and with the lists cast to the column's type, so that no row pays a text cast of its tenant.
     return (
-        f"\n  AND (%(only)s::text[] IS NULL OR {tenant}::text = ANY(%(only)s::text[]))"
-        f"\n  AND (cardinality(%(skip)s::text[]) = 0 OR {tenant}::text <> ALL(%(skip)s::text[]))"
+        f"\n  AND (%(only)s::text[] IS NULL OR {tenant} = ANY({tenant_values(target, '%(only)s')}))"
+        f"\n  AND (cardinality(%(skip)s::text[]) = 0 OR {tenant} <> ALL({tenant_values(target, '%(skip)s')}))"
     )
 
 

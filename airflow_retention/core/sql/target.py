@@ -22,3 +22,6 @@ class TargetInfo:
     # qualified so that a cast never reads a default length into it (pg_catalog.bpchar): a tenant
     # value must equal itself cast to ``tenant_type``, or the column would store another value.
     tenant_base_type: str | None = None
+    # The tenant column's collation, schema-qualified and quoted (``public."ci"``); None for a type that
+    # has none (numeric, uuid). Tenant values are compared under it, as the column compares them.
+    tenant_collation: str | None = None

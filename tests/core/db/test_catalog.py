@@ -175,3 +175,32 @@ def test_batches_set_wal_compression_lz4_when_the_role_may(
 def test_a_wal_compression_the_policy_does_not_know_is_refused(value: object) -> None:
     with pytest.raises(PolicyError, match="wal_compression"):
         make_policy("s", wal_compression=value)
+
+
+@pytest.mark.parametrize("chunk_by", ["block", "key"])
+def test_a_table_with_inheritance_children_is_refused_and_nothing_is_deleted(
+    schema: str, conn: Any, admin: Any, chunk_by: str
+) -> None:
+    """Issue 32, item 5: a statement on the parent reaches the children's rows, which block chunks (the
+    parent's TID ranges) cannot cover: the policy is refused at planning, naming the field and the child."""
+    from airflow_retention.core.planning.planner import plan_run
+    from tests.core.helpers import CUTOFF, fill_events, scalar
+
+    table = create_events(admin, schema)
+    fill_events(admin, table, 200)
+    rows(admin, f'CREATE TABLE "{schema}".events_2023 () INHERITS ({table})')
+    rows(
+        admin,
+        f"""INSERT INTO "{schema}".events_2023 SELECT id + 1000, tenant_id, created_at, status, payload FROM {table}""",
+    )
+    before = scalar(admin, f"SELECT count(*) FROM {table}")
+    policy = make_policy(schema, chunk_by=chunk_by)
+    message = permanent(conn, policy)
+    assert "field 'table'" in message and "1 inheritance child table(s)" in message
+    assert f"{schema}.events_2023" in message and "nothing was deleted" in message
+    with pytest.raises(PermanentError, match="inheritance child"):
+        plan_run(conn, policy, CUTOFF)
+    assert scalar(admin, f"SELECT count(*) FROM {table}") == before == 400
+    # The child alone is a plain table without children: its own policy is accepted.
+    rows(admin, f'ALTER TABLE "{schema}".events_2023 ADD PRIMARY KEY (id)')
+    inspect_target(conn, make_policy(schema, table=f"{schema}.events_2023", chunk_by=chunk_by))

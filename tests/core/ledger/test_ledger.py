@@ -184,8 +184,8 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     old_run = ledger_run(admin, ledger.schema, "p@v1")
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 6
-    assert ledger.version(conn) == 6
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 7
+    assert ledger.version(conn) == 7
     chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     new_columns = {
         "tenant_pos": 0,
@@ -217,6 +217,7 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
         "lag_measured_at": None,
         "vacuumed_at": None,
         "run_date": None,
+        "leaves_deferred": None,
     }
     # The migrated ledger works with the new code: progress with a tenant position, and read back.
     with dbapi.transaction(conn) as cur:
@@ -352,9 +353,10 @@ def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
     assert old_run is not None and "run_date" not in old_run
     read = ledger.get_run(conn, "p@v4")
     assert read is not None and read["run_date"] is None and read["cutoff"] == CUTOFF
+    assert read["leaves_deferred"] is None
     assert [r["run_key"] for r in ledger.recent_runs(conn, "p")] == ["p@v4"]
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 6
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 7
     # From version 5 the mark means "this chunk's detach is its own": the old unfinished mark is no such
     # proof (a partition a DBA detached since would be dropped), so it is cleared; a finished one stays.
     marks = dict(rows(admin, f"SELECT chunk_key, action_started_at IS NOT NULL FROM {s}.chunks ORDER BY 1"))
@@ -362,10 +364,59 @@ def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
     run = ledger_run(admin, ledger.schema, "p@v4")
     assert run is not None
     assert {k: run[k] for k in old_run} == old_run
-    assert set(run) - set(old_run) == {"run_date"} and run["run_date"] is None
+    assert set(run) - set(old_run) == {"run_date", "leaves_deferred"} and run["run_date"] is None
+    assert run["leaves_deferred"] is None  # version 7: not known for the runs recorded before
     run_date = CUTOFF + timedelta(days=30)  # a run of "30 days"
     with dbapi.transaction(conn) as cur:
         ledger.register_run(cur, dataclasses.replace(_record("q@v5", 0), run_date=run_date))
     stored = ledger.get_run(conn, "q@v5")
     assert stored is not None and stored["run_date"] == run_date
     assert scalar(admin, f"SELECT run_date FROM {s}.runs WHERE run_key = 'q@v5'") == run_date
+
+
+def test_leaf_coverage_is_the_latest_cutoff_whose_run_completed_every_chunk_of_the_leaf(
+    schema: str, conn: Any, admin: Any
+) -> None:
+    """What the planner carries leaves past the chunk budget over with: per leaf, the latest cutoff of a
+    planned run of the policy (same mode) that completed every chunk of it; nothing without a ledger."""
+    ledger = Ledger(f"{schema}_ledger")
+    assert ledger.leaf_coverage(conn, "p", dry_run=False, oids=[1, 2]) == {}  # no ledger: read, nothing written
+    assert ledger.version(conn) is None
+    ledger.ensure(conn)
+    day = timedelta(days=1)
+
+    def run(key: str, cutoff: datetime, leaves: dict[int, list[str]], *, dry_run: bool = False) -> None:
+        record = dataclasses.replace(_record(key, 0), policy="p", cutoff=cutoff, dry_run=dry_run)
+        with dbapi.transaction(conn) as cur:
+            ledger.register_run(cur, dataclasses.replace(record, leaves_deferred=("s.later",)), complete_if_empty=False)
+            for oid, states in leaves.items():
+                for i, _ in enumerate(states):
+                    chunk = ChunkSpec(
+                        f"blocks:{i}-{i + 1}@s.p{oid}", i, i + 1, partition=f"s.p{oid}", partition_oid=oid
+                    )
+                    ledger.insert_chunk(cur, key, chunk)
+        for oid, states in leaves.items():
+            for i, state in enumerate(states):
+                rows(
+                    admin,
+                    f"UPDATE {ledger.s}.chunks SET state = %(st)s WHERE run_key = %(k)s AND chunk_key = %(c)s",
+                    {"st": state, "k": key, "c": f"blocks:{i}-{i + 1}@s.p{oid}"},
+                )
+
+    run("p@1", CUTOFF, {1: ["complete"], 2: ["complete", "complete"], 3: ["complete"]})
+    # A later run: leaf 1 complete, leaf 2 half done (not covered by it), leaf 3 not planned.
+    run("p@2", CUTOFF + day, {1: ["complete"], 2: ["complete", "pending"]})
+    run("p@3#lone", CUTOFF + 2 * day, {3: ["complete"]})  # a lone chunk's run covers nothing
+    run("p@4#dry-run", CUTOFF + 3 * day, {2: ["complete"]}, dry_run=True)  # another mode
+    assert ledger.leaf_coverage(conn, "p", dry_run=False, oids=[1, 2, 3, 4]) == {
+        1: CUTOFF + day,
+        2: CUTOFF,
+        3: CUTOFF,
+    }
+    assert ledger.leaf_coverage(conn, "p", dry_run=True, oids=[1, 2]) == {2: CUTOFF + 3 * day}
+    assert ledger.leaf_coverage(conn, "other", dry_run=False, oids=[1]) == {}
+    # The leaves a run deferred are read back as recorded, in order; NULL (not known) stays None.
+    assert ledger.get_run(conn, "p@1")["leaves_deferred"] == ["s.later"]
+    with dbapi.transaction(conn) as cur:
+        ledger.register_run(cur, _record("q@none", 0))
+    assert ledger.get_run(conn, "q@none")["leaves_deferred"] is None

@@ -13,7 +13,16 @@ from airflow_retention.core.planning.planner import compute_plan, plan_run
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers, verify_run
 from tests.core.helpers import CUTOFF, ledger_chunks, make_policy, rows, scalar
-from tests.core.partition_helpers import EXPIRED_MONTHS, create_monthly, eligible_count, partitions_of, relations_in
+from tests.core.partition_helpers import (
+    EXPIRED_MONTHS,
+    HASH_LEAVES,
+    create_hashed,
+    create_monthly,
+    eligible_count,
+    insert_night,
+    partitions_of,
+    relations_in,
+)
 
 CONDITION = "status <> 'open'"
 
@@ -357,3 +366,88 @@ def test_index_bounded_leaves_past_the_chunk_budget_are_planned_over_every_block
     # With room for them the runs stay apart.
     _, ranges = fit([leaf(2), leaf(3)], 1000, 6)
     assert ranges[0] == [(0, 16, 100), (400, 416, 100), (900, 916, 100)]
+
+
+# -- leaves past the chunk budget (issue 32, item 4) ------------------------------------------------------
+
+
+def eligible_per_leaf(admin: Any, schema: str, cutoff: Any, ids_from: int = 0) -> dict[str, int]:
+    return {
+        leaf: scalar(
+            admin,
+            f'SELECT count(*) FROM "{schema}"."{leaf}" WHERE created_at < %(c)s AND id >= %(i)s',
+            {"c": cutoff, "i": ids_from},
+        )
+        for leaf in HASH_LEAVES
+    }
+
+
+def test_leaves_past_the_chunk_budget_are_carried_over_and_the_run_says_it_did_not_cover_them(
+    schema: str, conn: Any, admin: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four hash leaves getting rows every night, a budget of two chunks: a fixed order purged h0 and h1
+    every night and never h2 and h3, whose eligible rows grew night after night while every run verified
+    complete. Now each night plans the leaves least recently covered: every leaf is covered within two
+    nights, no leaf keeps more than the night's rows, and a run's verify names the leaves it left."""
+    from datetime import timedelta
+
+    table = create_hashed(admin, schema)
+    policy = policy_for(schema, table=f"{schema}.t")
+    ledger = Ledger(policy.ledger_schema)
+    name = {leaf: f"{schema}.{leaf}" for leaf in HASH_LEAVES}
+    expected = [["t_h0", "t_h1"], ["t_h2", "t_h3"], ["t_h0", "t_h1"]]
+    last_covered: dict[str, int] = {}
+    for night in range(3):
+        cutoff = CUTOFF + timedelta(days=night)
+        insert_night(admin, table, night, cutoff)
+        if night == 1:  # the preview reads the coverage too, and writes nothing
+            runs_before = scalar(admin, f'SELECT count(*) FROM "{policy.ledger_schema}".runs')
+            preview = compute_plan(conn, policy, cutoff, max_chunks=2)
+            assert {c.partition for c in preview.chunks} == {name["t_h2"], name["t_h3"]}
+            assert scalar(admin, f'SELECT count(*) FROM "{policy.ledger_schema}".runs') == runs_before
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="airflow_retention.core.planning"):
+            plan = plan_run(conn, policy, cutoff, max_chunks=2)
+        planned = sorted({c.partition for c in plan.chunks})
+        deferred = [name[leaf] for leaf in HASH_LEAVES if name[leaf] not in planned]
+        assert planned == [name[leaf] for leaf in expected[night]]
+        (warning,) = [r.getMessage() for r in caplog.records if "max_map_length" in r.getMessage()]
+        assert f"does not cover 2 ({', '.join(deferred)})" in warning and "the next run plans those first" in warning
+        assert plan_run(conn, policy, cutoff, max_chunks=2).chunks == plan.chunks  # a re-plan: the stored plan
+        for chunk in plan.chunks:
+            run_chunk(conn, policy, plan.cutoff, chunk)
+        verification = verify_run(conn, ledger, plan.run_key, [c.key for c in plan.chunks])
+        assert verification.ok and not verification.covers_all and verification.deferred == deferred
+        said = verification.describe()
+        assert "all 2 planned chunk(s) complete" in said and "expected chunk(s) complete" not in said
+        assert "2 leaf partition(s) with eligible rows not covered by this run (past the chunk budget of 2;" in said
+        assert f"{', '.join(deferred)} — the next run plans them first" in said
+        assert ledger.get_run(conn, plan.run_key)["leaves_deferred"] == deferred
+        for leaf in HASH_LEAVES:
+            if name[leaf] in planned:
+                last_covered[leaf] = night
+        # Eligible rows never pile up: a leaf holds at most the rows of the nights since it was last covered,
+        # and it was covered this night or the one before.
+        left = eligible_per_leaf(admin, schema, cutoff)
+        tonight = eligible_per_leaf(admin, schema, cutoff, ids_from=night * 1_000_000)
+        for leaf in HASH_LEAVES:
+            assert left[leaf] == (0 if last_covered.get(leaf) == night else tonight[leaf]), (night, leaf, left)
+        if night >= 1:
+            assert set(last_covered) == set(HASH_LEAVES)  # every leaf covered within ceil(4 / 2) = 2 nights
+
+
+def test_the_plan_preview_carries_leaves_over_without_a_ledger(schema: str, conn: Any, admin: Any) -> None:
+    """compute_plan on a policy never run (no ledger schema at all): the tree's order, the rest deferred,
+    and still nothing written."""
+    table = create_hashed(admin, schema)
+    insert_night(admin, table, 0, CUTOFF)
+    policy = policy_for(schema, table=f"{schema}.t")
+    preview = compute_plan(conn, policy, CUTOFF, max_chunks=2)
+    assert [c.partition for c in preview.chunks] == [f"{schema}.t_h0", f"{schema}.t_h1"]
+    assert preview.leaves_deferred == (f"{schema}.t_h2", f"{schema}.t_h3")
+    reasons = {str(d.relation.table): d.reason for d in preview.partitions}
+    assert "deferred past the chunk budget" in reasons[f"{schema}.t_h3"]
+    assert "deferred" not in reasons[f"{schema}.t_h0"]
+    assert scalar(admin, "SELECT count(*) FROM pg_namespace WHERE nspname = %(s)s", {"s": policy.ledger_schema}) == 0
+    # With room for every leaf nothing is deferred (an empty list, not None: a partitioned table's plan).
+    assert compute_plan(conn, policy, CUTOFF, max_chunks=8).leaves_deferred == ()

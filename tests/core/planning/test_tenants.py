@@ -15,7 +15,15 @@ from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers, verify_run
 from tests.core.helpers import CUTOFF, ledger_chunk, make_policy, rows, scalar
 from tests.core.partition_helpers import create_monthly
-from tests.core.tenant_helpers import ANCHOR, interleaved, ledger_tenant_counts, one_pass, per_tenant_eligible, purge
+from tests.core.tenant_helpers import (
+    ANCHOR,
+    interleaved,
+    ledger_tenant_counts,
+    one_pass,
+    per_tenant_eligible,
+    purge,
+    reference_expired_rows,
+)
 
 
 def test_one_pass_deletes_every_tenant_and_counts_each_exactly(schema: str, conn: Any, admin: Any) -> None:
@@ -182,13 +190,7 @@ def test_a_failing_tenant_is_isolated_recorded_and_purged_by_the_retry(
 ) -> None:
     table = interleaved(admin, schema)
     # Orders still reference some of tenant 3's expired rows: deleting them violates a foreign key.
-    rows(admin, f'CREATE TABLE "{schema}".orders (event_id bigint REFERENCES {table} (id))')
-    rows(
-        admin,
-        f'INSERT INTO "{schema}".orders SELECT id FROM {table} WHERE tenant_id = 3 AND status <> %(s)s'
-        " AND created_at < %(c)s ORDER BY id DESC LIMIT 5",
-        {"s": "open", "c": CUTOFF},
-    )
+    reference_expired_rows(admin, schema, table)
     expected = per_tenant_eligible(admin, table)
     policy = one_pass(schema, chunk_by=chunk_by, chunk_rows=100_000, batch_size=400, target_batch_time=0)
     plan = plan_run(conn, policy, CUTOFF)
