@@ -152,6 +152,9 @@ class TableRule:
     recency_column: str
     condition: str | None
     dag_id_column: str | None
+    # Whether the installed Airflow's model lets the DAG id column be NULL (job, log): only then does a
+    # per-DAG policy leave rows that need a policy of their own.
+    dag_id_nullable: bool = False
 
 
 def cleanup_order(configs: Mapping[str, Any]) -> list[str]:
@@ -244,6 +247,12 @@ def cleanup_rules(schema: str = "public") -> list[TableRule]:
                 dag_id_column=config.dag_id_column_name
                 if config.dag_id_column_name and name in models and config.dag_id_column_name in models[name].c
                 else None,
+                dag_id_nullable=bool(
+                    config.dag_id_column_name
+                    and name in models
+                    and config.dag_id_column_name in models[name].c
+                    and models[name].c[config.dag_id_column_name].nullable
+                ),
             )
         )
     return rules
@@ -287,6 +296,8 @@ def metadata_policies(
             data["tenant_column"] = rule.dag_id_column
             data["tenant_retention"] = dict(settings.dag_retention)
             policies.append(RetentionPolicy.from_dict(data))
+            if not rule.dag_id_nullable:
+                continue
             # A tenant policy never removes a row without a tenant: the rows without a DAG id (the
             # scheduler's and triggerer's job rows, CLI commands' log rows) get a policy of their own,
             # at the common retention, run right after it, as db clean removes them.

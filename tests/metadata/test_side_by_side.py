@@ -206,7 +206,9 @@ def test_per_dag_retention_keeps_each_dags_rows_for_its_own_period_and_counts_th
     assert policies["airflow_task_reschedule"].tenant_column is None  # its model has no dag_id
     assert policies["airflow_log_without_dag"].tenant_column is None
     assert policies["airflow_log_without_dag"].condition == '("log"."dag_id" IS NULL)'
-    assert "airflow_task_reschedule_without_dag" not in policies
+    assert "airflow_task_reschedule_without_dag" not in policies  # its model has no dag_id
+    assert "airflow_job_without_dag" in policies  # the scheduler's and triggerer's job rows
+    assert "airflow_dag_run_without_dag" not in policies  # dag_run.dag_id is NOT NULL: nothing to remove
     nulls = am.scalar(metadata_db, "SELECT count(*) FROM log WHERE dag_id IS NULL")
     old_nulls = am.scalar(
         metadata_db,

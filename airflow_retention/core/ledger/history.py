@@ -51,9 +51,9 @@ class LedgerHistory(LedgerSchema):
 
     def leaf_coverage(self, conn: Any, policy: str, *, dry_run: bool, oids: Sequence[int]) -> dict[int, datetime]:
         """When the policy's earlier planned runs (of the same mode) last covered each of the leaves
-        ``oids``: per leaf, the latest cutoff of a run whose chunks on that leaf all completed; a leaf
-        no such run covered is left out. The planner plans first the leaves least recently covered
-        when they do not all fit its chunk budget.
+        ``oids``: per leaf, the latest cutoff of a run whose chunks on that leaf all completed without an
+        open dead letter; a leaf no such run covered is left out. The planner plans first the leaves
+        least recently covered when they do not all fit its chunk budget.
 
         The cutoff, not the completion time: a backfill of an old date, completed today, cleared the
         leaf only up to its own cutoff. Reads only, and works without a ledger (the plan preview of a
@@ -70,7 +70,14 @@ class LedgerHistory(LedgerSchema):
                 f"  FROM {self.s}.chunks c JOIN {self.s}.runs r USING (run_key)"
                 "   WHERE r.policy = %(p)s::text AND r.dry_run = %(d)s::boolean AND r.run_key NOT LIKE '%%#lone'"
                 "   AND c.action IS NULL AND c.partition_oid = ANY (%(oids)s::bigint[])"
-                "   GROUP BY r.run_key, r.cutoff, c.partition_oid HAVING bool_and(c.state = 'complete')"
+                # A chunk that left tenants as dead letters is complete, yet did not purge its leaf.
+                + (
+                    f"   AND NOT EXISTS (SELECT 1 FROM {self.s}.dead_letters d WHERE d.run_key = c.run_key"
+                    "    AND d.chunk_key = c.chunk_key AND d.resolved_at IS NULL)"
+                    if version >= 4
+                    else ""
+                )
+                + "   GROUP BY r.run_key, r.cutoff, c.partition_oid HAVING bool_and(c.state = 'complete')"
                 ") covered GROUP BY partition_oid",
                 {"p": policy, "d": dry_run, "oids": list(oids)},
             )

@@ -140,11 +140,15 @@ class LedgerTenants(LedgerSchema):
                  "first_at", "last_at")  # fmt: skip
         return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
-    def tenants_at_cap(self, cur: Any, run_key: str, cap: int) -> list[str]:
-        """Tenants that have had at least ``cap`` rows deleted in the run: later batches leave them out."""
+    def tenants_at_cap(self, cur: Any, run_key: str, cap: int, same_tenant: str = "tenant") -> list[str]:
+        """Tenants that have had at least ``cap`` rows deleted in the run: later batches leave them out.
+
+        :param same_tenant: the ledger's ``tenant`` (text) as the tenant column compares it
+            (:func:`~airflow_retention.core.sql.predicate.tenant_value`): the spellings of one tenant
+            (``acme``, ``ACME`` of a citext column) count together; one spelling of each is returned."""
         cur.execute(
-            f"SELECT tenant FROM {self.s}.tenant_counts WHERE run_key = %(k)s GROUP BY tenant"
-            " HAVING sum(rows_deleted) >= %(cap)s::bigint ORDER BY tenant",
+            f"SELECT min(tenant) FROM {self.s}.tenant_counts WHERE run_key = %(k)s GROUP BY {same_tenant}"
+            " HAVING sum(rows_deleted) >= %(cap)s::bigint ORDER BY 1",
             {"k": run_key, "cap": cap},
         )
         return [r[0] for r in cur.fetchall()]

@@ -61,9 +61,6 @@ class TenantCutoffs:
             "xt": list(self.excluded),
         }
 
-    def cutoff_of(self, tenant: str) -> datetime:
-        return next((c for t, _, c, _ in self.overrides if t == tenant), self.cutoff)
-
 
 def frozen(conn: Any, ledger: Ledger, policy: RetentionPolicy, run_key: str, cutoff: datetime) -> TenantCutoffs:
     """The run's cutoffs as its planner froze them in the ledger (none recorded: the run's cutoff for all).

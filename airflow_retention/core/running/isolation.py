@@ -79,8 +79,13 @@ def run_isolated(
         if not is_permanent(exc):
             raise
         cur.execute("ROLLBACK TO SAVEPOINT retention_batch")
-    cur.execute(tenants_statement, params)
-    tenants = [r[0] for r in cur.fetchall() if only is None or r[0] in only]
+    if only is not None:
+        # The statements compare tenants as the column does: each of ``only`` takes every spelling of its
+        # tenant ('acme' and 'ACME' of a citext column), and a failure is recorded under the given one.
+        tenants = list(only)
+    else:
+        cur.execute(tenants_statement, params)
+        tenants = [r[0] for r in cur.fetchall()]
     rows, failures = [], []
     for tenant in tenants:
         cur.execute("SAVEPOINT retention_tenant")

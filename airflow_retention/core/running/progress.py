@@ -26,6 +26,7 @@ from airflow_retention.core.running.context import ChunkRun
 from airflow_retention.core.running.isolation import TenantFailure
 from airflow_retention.core.running.partition_checks import gone_reason, partition_state
 from airflow_retention.core.sql.partitions import lock_statement
+from airflow_retention.core.sql.predicate import tenant_cutoff, tenant_value
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class Progress(ABC):
         """Parameters of the batch statement that depend on the run's progress so far."""
         run = self.run
         if run.policy.max_rows_per_tenant:  # tenants at their cap are left out of later batches
-            return {"xt": run.ledger.tenants_at_cap(cur, run.key, run.policy.max_rows_per_tenant)}
+            return {"xt": at_cap(cur, run)}
         return {}
 
     def begin(self, cur: Any, at: Position) -> bool:
@@ -73,8 +74,8 @@ class Progress(ABC):
         if counts.per_tenant is None:
             return
         run.ledger.add_tenant_counts(cur, run.key, run.chunk.key, counts.per_tenant)
-        for tenant_value, n, _, m in counts.per_tenant:
-            run.result.tenant_rows[tenant_value] = run.result.tenant_rows.get(tenant_value, 0) + int(n) + int(m)
+        for tenant, n, _, m in counts.per_tenant:
+            run.result.tenant_rows[tenant] = run.result.tenant_rows.get(tenant, 0) + int(n) + int(m)
 
 
 class LedgerProgress(Progress):
@@ -222,7 +223,7 @@ class RedoProgress(Progress):
         with dbapi.transaction(run.conn) as cur:
             record_dead_letters(cur, run, list(self.still.values()))
             if run.policy.max_rows_per_tenant:
-                capped = set(run.ledger.tenants_at_cap(cur, run.key, run.policy.max_rows_per_tenant))
+                capped = set(at_cap(cur, run))
                 if deferred := [t for t in self.going() if t in capped]:
                     log.info(
                         "chunk %s: dead-lettered tenant(s) %s reached max_rows_per_tenant %d in this run: their"
@@ -235,6 +236,14 @@ class RedoProgress(Progress):
             return run.ledger.open_dead_letters(cur, run.key, run.chunk.key)
 
 
+def at_cap(cur: Any, run: ChunkRun) -> list[str]:
+    """The run's tenants at their ``max_rows_per_tenant``, their spellings counted together."""
+    assert run.policy.max_rows_per_tenant is not None
+    return run.ledger.tenants_at_cap(
+        cur, run.key, run.policy.max_rows_per_tenant, same_tenant=tenant_value(run.target, "tenant")
+    )
+
+
 def record_dead_letters(cur: Any, run: ChunkRun, failures: list[TenantFailure]) -> None:
     for failure in failures:
         log.warning(
@@ -243,7 +252,11 @@ def record_dead_letters(cur: Any, run: ChunkRun, failures: list[TenantFailure]) 
             failure.tenant,
             failure.failure_class,
         )
-        cutoff = run.cutoffs.cutoff_of(failure.tenant)
+        # The tenant's own cutoff as the statements apply it: an override spelled otherwise still counts.
+        cur.execute(
+            f"SELECT {tenant_cutoff(run.target, '%(tenant)s')}", {**run.cutoffs.params(), "tenant": failure.tenant}
+        )
+        (cutoff,) = cur.fetchone()
         letter = DeadLetter(failure.tenant, cutoff, failure.failure_class, failure.sqlstate, failure.message)
         run.ledger.record_dead_letter(cur, run.key, run.chunk, letter)
 

@@ -17,6 +17,7 @@ from airflow_retention.core.sql.predicate import (
     one_tenant,
     target_from,
     tenant_choice,
+    tenant_value,
 )
 from airflow_retention.core.sql.target import TargetInfo
 
@@ -141,10 +142,14 @@ def tenant_batch(policy: RetentionPolicy, target: TargetInfo, relation: TableNam
         counted = "0::bigint, 0::bigint, count(*)" if policy.dry_run else "count(*), 0::bigint, 0::bigint"
         count = f"SELECT {tenant}::text, {counted} FROM {table}\nWHERE {rows}\nGROUP BY {tenant} ORDER BY 1"
         return TenantBatch(count, None if policy.dry_run else plain_delete(table, rows))
+    # Grouped as the column compares tenants, one row (one spelling) per tenant, as the plain DELETE's
+    # count is; the archive's column may have another type or collation, so both sides are read as the
+    # target's.
+    same = tenant_value(target, tenant)
     return TenantBatch(
         archive_delete(policy, target, table, rows, returning=tenant) + "SELECT d.t, d.n, coalesce(a.n, 0), 0::bigint\n"
-        f"FROM (SELECT {tenant}::text AS t, count(*) AS n FROM deleted GROUP BY 1) d\n"
-        f"LEFT JOIN (SELECT {tenant}::text AS t, count(*) AS n FROM archived GROUP BY 1) a USING (t) ORDER BY 1"
+        f"FROM (SELECT min({tenant}::text) AS t, {same} AS k, count(*) AS n FROM deleted GROUP BY {same}) d\n"
+        f"LEFT JOIN (SELECT {same} AS k, count(*) AS n FROM archived GROUP BY {same}) a ON a.k = d.k ORDER BY 1"
     )
 
 

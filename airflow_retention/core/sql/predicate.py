@@ -80,12 +80,23 @@ def _per_tenant(policy: RetentionPolicy, target: TargetInfo) -> list[str]:
     # compared as it is stored instead of paying a text cast of its tenant. Each frozen tenant is the
     # only one of the run's overrides equal to it as the column compares (tenants._resolve), so the
     # first position array_position finds is the row's own cutoff.
-    own = f"(%(oc)s::timestamptz[])[array_position({tenant_values(target, '%(ot)s')}, {tenant})]"
     return [
         f"{ts} < {cutoff_value(target, '%(latest_cutoff)s::timestamptz')}",
-        f"{ts} < {cutoff_value(target, f'coalesce({own}, %(cutoff)s::timestamptz)')}",
+        f"{ts} < {cutoff_value(target, _own_cutoff(target, tenant))}",
         f"(cardinality(%(xt)s::text[]) = 0 OR {tenant} <> ALL({tenant_values(target, '%(xt)s')}))",
     ]
+
+
+def _own_cutoff(target: TargetInfo, tenant: str) -> str:
+    """The frozen cutoff of the tenant ``tenant`` (a column or a typed value), or the run's."""
+    own = f"(%(oc)s::timestamptz[])[array_position({tenant_values(target, '%(ot)s')}, {tenant})]"
+    return f"coalesce({own}, %(cutoff)s::timestamptz)"
+
+
+def tenant_cutoff(target: TargetInfo, param: str) -> str:
+    """The frozen cutoff of the tenant in the text parameter ``param``, found as every statement finds a
+    row's (:func:`_per_tenant`): equal as the column compares tenants."""
+    return _own_cutoff(target, tenant_value(target, param))
 
 
 def tenant_values(target: TargetInfo, param: str) -> str:

@@ -415,6 +415,17 @@ def test_leaf_coverage_is_the_latest_cutoff_whose_run_completed_every_chunk_of_t
     }
     assert ledger.leaf_coverage(conn, "p", dry_run=True, oids=[1, 2]) == {2: CUTOFF + 3 * day}
     assert ledger.leaf_coverage(conn, "other", dry_run=False, oids=[1]) == {}
+    # A chunk complete with a tenant left as an open dead letter did not purge its leaf: not covered by p@5;
+    # once the letter is resolved, it is.
+    run("p@5", CUTOFF + 4 * day, {1: ["complete"]})
+    rows(
+        admin,
+        f"INSERT INTO {ledger.s}.dead_letters (run_key, chunk_key, tenant, cutoff, lo, hi, failure_class, message)"
+        " VALUES ('p@5', 'blocks:0-1@s.p1', 'acme', now(), 0, 1, 'foreign key violation', 'm')",
+    )
+    assert ledger.leaf_coverage(conn, "p", dry_run=False, oids=[1])[1] == CUTOFF + day
+    rows(admin, f"UPDATE {ledger.s}.dead_letters SET resolved_at = now()")
+    assert ledger.leaf_coverage(conn, "p", dry_run=False, oids=[1])[1] == CUTOFF + 4 * day
     # The leaves a run deferred are read back as recorded, in order; NULL (not known) stays None.
     assert ledger.get_run(conn, "p@1")["leaves_deferred"] == ["s.later"]
     with dbapi.transaction(conn) as cur:
