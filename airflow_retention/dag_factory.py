@@ -10,10 +10,12 @@ from typing import Any
 
 from airflow.sdk import DAG, BaseOperator, TaskGroup
 
+from airflow_retention.assets import RunEventExtra, policy_asset
 from airflow_retention.compat import RETRY_EXPONENTIAL_BACKOFF, AirflowFailException
 from airflow_retention.core.errors import PolicyError
 from airflow_retention.core.policy.loading import load_policies_lenient, problem_dag_ids
 from airflow_retention.core.policy.model import DAG_ID_PREFIX, RetentionPolicy, policy_dag_id
+from airflow_retention.deadlines import deadline_kwargs
 from airflow_retention.operators.retention import (
     CHUNK_LABEL_TEMPLATE,
     RetentionChunkOperator,
@@ -52,7 +54,9 @@ def retention_task_group(
     drop into any DAG.
 
     Call it inside a ``with DAG(...)`` block. Chunk tasks run in the policy's pool with at most
-    ``max_active_chunks`` at once per run; the verify task runs whatever the chunks' outcome.
+    ``max_active_chunks`` at once per run; the verify task runs whatever the chunks' outcome. With the
+    policy's ``asset``, the verify task has the table's asset as an outlet and, when it marks the run
+    complete, sets the asset event's extra to the run's totals (:class:`~airflow_retention.assets.RunEventExtra`).
 
     :param policy: the retention policy.
     :param group_id: the group's id; default ``retention_<policy name>``.
@@ -81,7 +85,7 @@ def retention_task_group(
             plan_task_id=plan.task_id,
             chunk_task_id=chunks.task_id,
             deferrable=deferrable,
-            **{**defaults, **(sensor_kwargs or {})},
+            **_with_asset(policy, {**defaults, **(sensor_kwargs or {})}),
         )
         plan >> chunks >> verify
         if policy.vacuum_after_rows is not None:
@@ -89,11 +93,39 @@ def retention_task_group(
     return group
 
 
-def build_dag(policy: RetentionPolicy, *, dag_id: str | None = None, **group_kwargs: Any) -> DAG:
+def _with_asset(policy: RetentionPolicy, sensor_args: dict[str, Any]) -> dict[str, Any]:
+    """The verify sensor's arguments, with the policy's asset as an outlet (beside any of the caller's) and
+    the hook that sets its event's extra (after any ``post_execute`` of the caller's)."""
+    if policy.asset is None:
+        return sensor_args
+    asset = policy_asset(policy)
+    outlets = sensor_args.get("outlets") or []
+    outlets = list(outlets) if isinstance(outlets, (list, tuple)) else [outlets]
+    return {
+        **sensor_args,
+        "outlets": [*outlets, asset],
+        "post_execute": RunEventExtra(asset, policy, sensor_args.get("post_execute")),
+    }
+
+
+def build_dag(
+    policy: RetentionPolicy,
+    *,
+    dag_id: str | None = None,
+    deadline: Any = None,
+    deadline_callback: Any = None,
+    **group_kwargs: Any,
+) -> DAG:
     """One DAG for one policy: its schedule, ``max_active_runs=1`` (no second scheduled or manual run while
     one runs; a backfill's runs are counted apart and may run beside it, which stays correct: every row is
     deleted and counted once, docs/concepts.md), catchup off unless the policy says so, retries with
-    backoff, and the policy as ``doc_md``."""
+    backoff, and the policy as ``doc_md``.
+
+    With the policy's ``cleanup_window``, on Airflow 3.1+, the DAG has a deadline alert: a run not complete
+    that long after its logical date calls ``deadline_callback`` (default: an ERROR line in the triggerer's
+    log and a metric; :mod:`airflow_retention.deadlines`). ``deadline`` (a ``DeadlineAlert`` or a list)
+    replaces it. On Airflow 3.0 the window only logs a warning.
+    """
     with DAG(
         dag_id=dag_id or policy_dag_id(policy),
         schedule=policy.schedule,
@@ -104,6 +136,7 @@ def build_dag(policy: RetentionPolicy, *, dag_id: str | None = None, **group_kwa
         tags=["retention", *policy.tags],
         doc_md=policy.describe(),
         description=f"Delete rows of {policy.table} older than {policy.retention}",
+        **deadline_kwargs(policy, deadline=deadline, callback=deadline_callback),
     ) as dag:
         retention_task_group(policy, **group_kwargs)
     return dag
@@ -155,7 +188,9 @@ def invalid_policy_dag(dag_id: str, messages: list[str]) -> DAG:
     return dag
 
 
-def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError] = ()) -> dict[str, DAG]:
+def build_dags(
+    policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError] = (), *, deadline_callback: Any = None
+) -> dict[str, DAG]:
     """DAGs keyed by id, for a DAG file's ``globals().update(...)``.
 
     Each invalid policy becomes a DAG of its own under its usual id ``retention_<name>``
@@ -163,13 +198,14 @@ def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError
     errors without a usable name (an unreadable file, an entry that is not a mapping or has no valid name,
     a second policy of one name) share ``retention_invalid_policies``. Nothing here raises: a DAG file never
     becomes an import error, which would stop the valid policies too. Each error is also logged as a
-    warning, in the dag-processor's log.
+    warning, in the dag-processor's log. ``deadline_callback`` is the callback of every policy's
+    ``cleanup_window`` deadline (see :func:`build_dag`).
     """
     dags: dict[str, DAG] = {}
     problems: list[PolicyError] = list(errors)
     for policy in policies:
         try:
-            dag = build_dag(policy)
+            dag = build_dag(policy, deadline_callback=deadline_callback)
             dag.validate()  # an invalid cron schedule is only found here
         except Exception as exc:  # noqa: BLE001 - report it with the policy's name, keep the other DAGs
             problems.append(PolicyError(policy.name, None, f"cannot build its DAG: {exc}"))
@@ -184,12 +220,13 @@ def build_dags(policies: Iterable[RetentionPolicy], errors: Iterable[PolicyError
     return dags
 
 
-def build_dags_from_yaml(path: str | Path) -> dict[str, DAG]:
+def build_dags_from_yaml(path: str | Path, *, deadline_callback: Any = None) -> dict[str, DAG]:
     """Every policy of a YAML file as a DAG; each bad policy becomes a DAG that shows its error (see
     :func:`build_dags`). A file that cannot be read at all has no good policy: it becomes the one DAG
-    ``retention_invalid_policies`` with the reason, still no import error."""
+    ``retention_invalid_policies`` with the reason, still no import error. ``deadline_callback``: see
+    :func:`build_dag`."""
     try:
         policies, errors = load_policies_lenient(path)
     except PolicyError as exc:
         return build_dags([], [exc])
-    return build_dags(policies, errors)
+    return build_dags(policies, errors, deadline_callback=deadline_callback)

@@ -24,6 +24,7 @@ from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import ChunkResult
 from airflow_retention.core.running.verify import Leftovers
 from airflow_retention.hooks.retention import RetentionHook
+from airflow_retention.lineage import OpenLineageFacets
 from airflow_retention.operators.context import anchor_from_context, attempt_from_context
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def fail_fast(exc: Exception) -> AirflowFailException:
     return AirflowFailException(str(exc))
 
 
-class RetentionPlanOperator(BaseOperator):
+class RetentionPlanOperator(OpenLineageFacets, BaseOperator):
     """Freeze the run's cutoff, ensure the ledger, register the run and plan its chunks.
 
     Returns the plan as a list of keyword-argument dicts for
@@ -138,6 +139,7 @@ class RetentionPlanOperator(BaseOperator):
 
     template_fields: Sequence[str] = ()
     ui_color = "#e8f0fe"
+    lineage_kind = "plan"  # its OpenLineage facets (airflow_retention.lineage)
 
     def __init__(self, *, policy: RetentionPolicy, max_chunks: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -179,18 +181,17 @@ class RetentionPlanOperator(BaseOperator):
         )
         if not plan.chunks:
             self.log.info("run %s: nothing eligible; recorded complete with 0 rows", plan.run_key)
-        context["ti"].xcom_push(
-            key=RUN_XCOM_KEY,
-            value={
-                "run_key": plan.run_key,
-                "cutoff": format_cutoff(plan.cutoff),
-                "chunk_keys": [c.key for c in plan.chunks],
-                "rows_planned": plan.rows_planned,
-                "planning_seconds": round(planning_seconds, 3),
-                # The estimate and why this chunk count (None when the stored plan was reused).
-                "sizing": plan.sizing.to_dict() if plan.sizing is not None else None,
-            },
-        )
+        run = {
+            "run_key": plan.run_key,
+            "cutoff": format_cutoff(plan.cutoff),
+            "chunk_keys": [c.key for c in plan.chunks],
+            "rows_planned": plan.rows_planned,
+            "planning_seconds": round(planning_seconds, 3),
+            # The estimate and why this chunk count (None when the stored plan was reused).
+            "sizing": plan.sizing.to_dict() if plan.sizing is not None else None,
+        }
+        context["ti"].xcom_push(key=RUN_XCOM_KEY, value=run)
+        self.lineage_state = {**run, "chunks": len(plan.chunks)}
         return plan.expand_kwargs()
 
     def _measure_previous_lag(self) -> None:
@@ -207,7 +208,7 @@ class RetentionPlanOperator(BaseOperator):
             report_lag(self.log, self.policy, run["run_key"], run["cutoff"], leftovers)
 
 
-class RetentionChunkOperator(BaseOperator):
+class RetentionChunkOperator(OpenLineageFacets, BaseOperator):
     """Delete the eligible rows of one chunk in bounded batches, recording each batch in the ledger.
 
     Usually mapped over a plan: ``RetentionChunkOperator.partial(policy=...).expand_kwargs(plan.output)``;
@@ -243,6 +244,7 @@ class RetentionChunkOperator(BaseOperator):
 
     template_fields: Sequence[str] = ("cutoff", "keys", "blocks", "lo", "hi", "tenants", "chunk_key")
     ui_color = "#fce8e6"
+    lineage_kind = "chunk"
 
     def __init__(
         self,
@@ -393,6 +395,7 @@ class RetentionChunkOperator(BaseOperator):
             if result.outcome in ("dropped", "detached"):
                 metrics.partition(self.policy, result.outcome, result.rows_deleted, result.seconds)
         summary = result.summary()
+        self.lineage_state = {"policy": policy, "chunk": chunk, "cutoff": format_cutoff(cutoff), "summary": summary}
         total = self._rows_deleted_in_ledger(result) if result.resumed_from is not None else None
         # Read by CHUNK_LABEL_TEMPLATE when Airflow renders the label again after execute.
         context["chunk_label"] = (

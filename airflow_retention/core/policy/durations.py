@@ -125,3 +125,34 @@ def parse_timeout_ms(value: object) -> int:
     if ms > 24 * 3600 * 1000:
         raise ValueError(f"{value!r} is longer than a day")
     return ms
+
+
+# A cleanup window: at least a minute (a deadline sooner than the first batch is noise), at most a year.
+MIN_WINDOW = timedelta(minutes=1)
+MAX_WINDOW = timedelta(days=366)
+
+
+def parse_window(value: object) -> timedelta:
+    """A window of time such as ``cleanup_window``: text (``"24h"``, ``"2 days"``, ``"1 day 12 hours"``,
+    ``"PT36H"``) or a ``timedelta``, in whole seconds, from 1 minute to 366 days. Months and years are
+    refused: their length varies, and a deadline is a fixed span of time. A bare number is refused too
+    (seconds or hours?)."""
+    if isinstance(value, timedelta):
+        window = value
+    elif isinstance(value, str):
+        parsed = _parse_text(value)
+        if parsed.months:
+            raise ValueError(f"{value!r}: months and years have no fixed length; write days ('30 days')")
+        window = timedelta(days=parsed.days, seconds=parsed.seconds)
+    else:
+        raise ValueError(f"must be a duration such as '24h', '2 days' or 'PT36H', got {value!r}")
+    if window.microseconds:
+        raise ValueError(f"must be whole seconds, got {value!r}")
+    if not MIN_WINDOW <= window <= MAX_WINDOW:
+        raise ValueError(f"must be from 1 minute to 366 days, got {value!r}")
+    return window
+
+
+def format_window(window: timedelta) -> str:
+    """A window as :func:`parse_window` reads it back: ``1 day``, ``1 day 12 hours``, ``90 seconds``."""
+    return str(Retention(days=window.days, seconds=window.seconds))

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy.durations import Retention
+from airflow_retention.core.policy.durations import Retention, format_window
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.keys import RENAMED_KEYS, unknown_key_hint
 from airflow_retention.core.policy.model import DAG_ID_PREFIX, RetentionPolicy
@@ -109,6 +109,8 @@ def policy_to_dict(policy: RetentionPolicy) -> dict[str, Any]:
             value = value.to_dict()
         elif isinstance(value, datetime):
             value = value.isoformat()
+        elif isinstance(value, timedelta):
+            value = format_window(value)
         elif isinstance(value, tuple):
             value = list(value)
         out[f.name] = value

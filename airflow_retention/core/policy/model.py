@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy.durations import Retention
+from airflow_retention.core.policy.durations import Retention, format_window
 from airflow_retention.core.policy.identifiers import TableName, display_name
 from airflow_retention.core.policy.keys import RENAMED_KEYS, REQUIRED_KEYS, unknown_key_hint
 from airflow_retention.core.policy.throttle import Throttle
@@ -123,6 +123,12 @@ class RetentionPolicy:
     :param dag_id: the DAG that runs the policy, when it is not ``retention_<name>`` (the policies of
         Airflow's metadata database all run in ``retention_airflow_metadata``): the view, the command's
         backfill hints and the DAG factory use it.
+    :param cleanup_window: how long after its date (the DAG run's logical date) a run must be complete
+        (``"24h"``, ``"2 days"``, a timedelta; 1 minute to 366 days, no months). On Airflow 3.1+ the DAG
+        factory makes it a deadline alert whose callback says that the run is late. None: no deadline.
+    :param asset: the policy's table as an Airflow asset, updated by every run that completes:
+        ``True`` names it ``postgres://host:port/database/schema/table`` from the connection when the DAG
+        is parsed; a URI of that form names it without the connection. None (or False): no asset.
     """
 
     name: str
@@ -167,6 +173,8 @@ class RetentionPolicy:
     tags: tuple[str, ...] = field(default_factory=tuple)
     description: str | None = None
     dag_id: str | None = None
+    cleanup_window: timedelta | None = None
+    asset: bool | str | None = None
 
     def __post_init__(self) -> None:
         # Normalise and validate in place so that every way of building a policy ends up checked.
@@ -237,6 +245,11 @@ class RetentionPolicy:
             ("connection", f"`{self.conn_id}`"),
             ("ledger", f"schema `{self.ledger_schema}` in the target database"),
         ]
+        if self.cleanup_window is not None:
+            rows.append(("cleanup window", f"complete {format_window(self.cleanup_window)} after the run's date"))
+        if self.asset is not None:
+            uri = "`postgres://host:port/database/schema/table` of the connection" if self.asset is True else None
+            rows.append(("asset", uri or f"`{self.asset}`"))
         table = "\n".join(f"| {k} | {v} |" for k, v in rows)
         return (
             f"### Retention policy `{self.name}`\n\n"

@@ -12,9 +12,10 @@ import re
 from collections.abc import Iterable, Mapping
 from datetime import date, datetime, timezone
 from typing import Any
+from urllib.parse import quote, unquote, urlsplit
 
 from airflow_retention.core.errors import PolicyError
-from airflow_retention.core.policy.durations import Retention, parse_timeout_ms
+from airflow_retention.core.policy.durations import Retention, parse_timeout_ms, parse_window
 from airflow_retention.core.policy.identifiers import TableName, check_ident
 from airflow_retention.core.policy.throttle import Throttle
 
@@ -159,6 +160,13 @@ def validated_fields(policy: Any) -> dict[str, Any]:
     if isinstance(tags, str) or not isinstance(tags, Iterable) or not all(isinstance(t, str) for t in tags):
         raise fail("tags", "must be a list of strings")
     out["tags"] = tuple(tags)
+    if policy.cleanup_window is not None:
+        out["cleanup_window"] = convert("cleanup_window", parse_window, policy.cleanup_window)
+    asset = policy.asset
+    if asset is not None and asset is not False:
+        out["asset"] = convert("asset", lambda v: check_asset(v, out["table"]), asset)
+    else:
+        out["asset"] = None
     return out
 
 
@@ -223,6 +231,37 @@ def _aware_datetime(value: object) -> datetime:
     if not isinstance(value, datetime):
         raise ValueError(f"must be a date, got {type(value).__name__}")
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def check_asset(value: object, table: TableName) -> bool | str:
+    """The ``asset`` field: ``True`` (the asset's URI is made from the connection when the DAG is parsed,
+    so the table must name its schema), or a ``postgres://host[:port]/database/schema/table`` URI of the
+    policy's own table, returned with Airflow's normal form (``postgres``, port 5432 when none is given).
+    ``False`` and ``None`` mean no asset, and never reach here."""
+    if value is True:
+        if table.schema is None:
+            raise ValueError(
+                f"needs a schema-qualified table to name its asset (postgres://host:port/database/schema/table);"
+                f" write table: public.{table}, or give the asset's URI"
+            )
+        return True
+    if not isinstance(value, str):
+        raise ValueError(f"must be true, false or a postgres://host:port/database/schema/table URI, got {value!r}")
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("postgres", "postgresql") or not parts.hostname:
+        raise ValueError(f"{value!r} is not a postgres://host:port/database/schema/table URI")
+    if parts.query or parts.fragment or parts.username is not None:
+        raise ValueError(f"{value!r}: an asset URI of a table takes no user, password, query or fragment")
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    if len(path) != 3 or not all(path):
+        raise ValueError(f"{value!r}: the path must be /database/schema/table")
+    if (table.schema is not None and path[1] != table.schema) or path[2] != table.name:
+        raise ValueError(f"{value!r} names table {path[1]}.{path[2]}, not the policy's table {table}")
+    try:
+        port = parts.port or 5432
+    except ValueError as exc:  # a port that is not a number
+        raise ValueError(f"{value!r}: {exc}") from None
+    return f"postgres://{parts.hostname}:{port}/" + "/".join(quote(p, safe="") for p in path)
 
 
 def check_condition(condition: object) -> str:
