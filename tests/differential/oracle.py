@@ -1,7 +1,9 @@
 """The oracle: which rows a policy allows to delete, computed in plain Python.
 
 It shares no code with the package: the cutoffs come from :func:`cases.subtract` (PostgreSQL's month
-arithmetic, written again), tenants are matched by how the column prints them, the condition is
+arithmetic, written again), tenants are matched as the column compares them (by how they print, then by
+equality class: case-insensitive for citext and a case-insensitive ICU collation, by value for numeric;
+:func:`cases.tenant_class`), the condition is
 evaluated by :func:`cases.condition_eval` in three-valued logic, and every row's inputs come from a
 snapshot read with the suite's own SQL.
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from typing import Any
 
-from .cases import UNFIT, Case, condition_eval, subtract, tenant_text
+from .cases import UNFIT, Case, condition_eval, parse_retention, subtract, tenant_class, tenant_text
 
 UTC = timezone.utc
 
@@ -32,29 +34,15 @@ class RowState:
     key: Any
 
 
-def parse_retention(text: str) -> tuple[int, int, int]:
-    """The (months, days, seconds) of the retentions :mod:`cases` writes ('2 months 3 days', '36 hours')."""
-    months = days = seconds = 0
-    words = text.split()
-    for amount, unit in zip(words[::2], words[1::2], strict=True):
-        if unit.startswith("mon"):
-            months += int(amount)
-        elif unit.startswith("day"):
-            days += int(amount)
-        elif unit.startswith("hour"):
-            seconds += int(amount) * 3600
-        else:
-            raise ValueError(text)
-    return months, days, seconds
-
-
 def canonical_tenant(tenant_type: str, value: Any) -> str:
-    """A tenant value of the policy's map or lookup table as the column prints it."""
+    """A tenant value of the policy's map or lookup table as the oracle keys tenants: how the column
+    prints it, then its equality class (:func:`cases.tenant_class`: 'ACME' is 'acme' in a citext column,
+    '7.00' is '7' in a numeric one)."""
     if tenant_type in ("integer", "bigint"):
         return str(int(str(value)))
     if tenant_type == "uuid":
         return str(uuid.UUID(str(value)))
-    return tenant_text(tenant_type, value)
+    return tenant_class(tenant_type, tenant_text(tenant_type, value))
 
 
 @dataclass
@@ -69,9 +57,14 @@ class Oracle:
     def cutoff(self) -> datetime:
         return subtract(self.case.anchor.astimezone(UTC), parse_retention(self.policy["retention"]))
 
+    def tclass(self, printed: str | None) -> str | None:
+        """A row's tenant (as it prints) as the oracle keys tenants: its equality class in the column."""
+        return None if printed is None else tenant_class(self.case.table["tenant_type"], printed)
+
     def tenant_cutoffs(self) -> dict[str, datetime]:
-        """Tenants with a cutoff of their own: the lookup table's (the longest retention wins among
-        duplicates; NULL retentions ignored), then the map's over it."""
+        """Tenants with a cutoff of their own, keyed by equality class: the lookup table's (the longest
+        retention wins among entries equal as the column compares them; NULL retentions ignored), then
+        the map's over it (the map wins for a tenant both name, however each writes it)."""
         if not self.policy.get("tenant_column"):
             return {}
         tenant_type = self.case.table["tenant_type"]
@@ -101,7 +94,7 @@ class Oracle:
         if self.policy.get("tenant_column") and row.tenant is None:
             return False  # a NULL tenant belongs to no tenant: never eligible (docs/concepts.md)
         cutoffs = self.tenant_cutoffs() if cutoffs is None else cutoffs
-        cutoff = cutoffs.get(row.tenant, self.cutoff) if row.tenant is not None else self.cutoff
+        cutoff = cutoffs.get(self.tclass(row.tenant), self.cutoff) if row.tenant is not None else self.cutoff
         if not _before(row.ts, cutoff):
             return False
         if self.condition is not None:

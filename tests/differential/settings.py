@@ -14,13 +14,17 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, seed, settings
 
 # The CI budget, per test function: a few hundred cases in all, a few minutes on two shared cores.
-DEFAULT_CASES = {"plain": 80, "partitioned": 60, "faults": 50, "dag": 4}
+DEFAULT_CASES = {"plain": 80, "partitioned": 60, "faults": 50, "dag": 4, "nights": 6, "held": 8}
 
 
 def fuzz_settings(kind: str) -> Callable[[Any], Any]:
     cases = int(os.environ.get("RETENTION_FUZZ_CASES", "0")) or DEFAULT_CASES[kind]
     if kind == "dag":  # each a whole DAG run through Airflow (seconds each): a tenth of the budget
         cases = max(DEFAULT_CASES[kind], cases // 10)
+    if kind == "nights":  # each several runs (one per night): a fifth of the budget
+        cases = max(DEFAULT_CASES[kind], cases // 5)
+    if kind == "held":  # one fault among the others: a third of the budget
+        cases = max(DEFAULT_CASES[kind], cases // 3)
     chosen_seed = os.environ.get("RETENTION_FUZZ_SEED")
 
     def apply(fn: Any) -> Any:

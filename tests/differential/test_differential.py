@@ -3,9 +3,11 @@ real PostgreSQL, checked against an oracle that shares no code with the engine (
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 
-from .cases import Case, cases
+from .cases import Case, cases, held_cases, night_cases
+from .fixed import FIXED
 from .harness import run_case
 from .settings import fuzz_settings
 
@@ -26,3 +28,23 @@ def test_partitioned_tables(case: Case) -> None:
 @given(cases(faults=True))
 def test_faults(case: Case) -> None:
     run_case(case)
+
+
+@fuzz_settings("held")
+@given(held_cases())
+def test_dead_letters(case: Case) -> None:
+    """A tenant held after the plan: a dead letter, then the redo once released."""
+    run_case(case)
+
+
+@fuzz_settings("nights")
+@given(night_cases())
+def test_nights(case: Case) -> None:
+    """A partitioned table run several nights in a row with a chunk budget smaller than its leaves."""
+    run_case(case)
+
+
+@pytest.mark.parametrize("name", sorted(FIXED))
+def test_fixed(name: str) -> None:
+    """The fixed cases of tests/differential/fixed.py: shapes the generator draws too, always run."""
+    run_case(FIXED[name]())
