@@ -119,6 +119,7 @@ def celery_deployment(target_dsn: str, celery_policy: tuple[Path, RetentionPolic
         celery_workers=2,
         celery_queues=QUEUE,
         celery_concurrency=2,
+        parse_interval=30,  # the policies file never changes: its DAG file is parsed once, at the start
     ) as running:
         yield running
 

@@ -49,6 +49,7 @@ def test_the_provider_is_registered_and_the_dags_parse(deployment: Deployment) -
     assert deployment.api("GET", "/importErrors")["total_entries"] == 0
 
 
+@pytest.mark.oldest
 def test_the_scheduler_creates_and_runs_the_scheduled_runs(
     deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
 ) -> None:
@@ -94,6 +95,7 @@ def backfill(deployment: Deployment, dag_id: str, start: datetime, end: datetime
     )
 
 
+@pytest.mark.oldest
 def test_backfills_through_the_rest_api_with_reprocess_behaviours(
     deployment: Deployment, target: Any, policy_map: dict[str, RetentionPolicy]
 ) -> None:
@@ -289,6 +291,7 @@ INSERT INTO isolation.typo SELECT * FROM isolation.good;
 """
 
 
+@pytest.mark.oldest
 def test_a_typo_in_one_policy_leaves_the_other_policies_running(
     deployment: Deployment, target: Any, policies: Path
 ) -> None:
