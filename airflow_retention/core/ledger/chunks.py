@@ -5,7 +5,8 @@ the partition action a chunk takes and the error an attempt ends on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from airflow_retention.core.db import dbapi
@@ -19,9 +20,14 @@ _CHUNK_FIELDS = (
     "last_batch_at", "completed_at", "completed_dag_id", "completed_run_id", "completed_map_index",
     "completed_try_number", "completed_host", "last_host", "outcome", "last_error", "tenant_pos",
     "last_batch_size", "min_batch_size", "max_batch_size", "backoffs", "backoff_seconds", "partition",
-    "partition_oid", "action", "action_started_at",
+    "partition_oid", "action", "action_started_at", "paused",
 )  # fmt: skip
 _CHUNK_COLUMNS = ", ".join(_CHUNK_FIELDS)
+# A batch's pauses by reason (jsonb {reason: seconds}) added to the chunk's.
+_ADD_PAUSED = (
+    "paused || coalesce((SELECT jsonb_object_agg(d.key, coalesce((paused ->> d.key)::float8, 0) + d.value::float8)"
+    " FROM jsonb_each_text(%(paused)s::jsonb) d), '{}'::jsonb)"
+)
 
 
 class LedgerChunks(LedgerSchema):
@@ -134,9 +140,11 @@ class LedgerChunks(LedgerSchema):
         outcome: str | None,
         attempt: Attempt,
         first_batch_of_attempt: bool,
+        paused: Mapping[str, float] | None = None,
     ) -> None:
         cur.execute(
             f"UPDATE {self.s}.chunks SET next_key = %(next)s::bigint, tenant_pos = %(pos)s::integer,"
+            f" paused = {_ADD_PAUSED},"
             " last_batch_size = %(size)s::integer,"
             " min_batch_size = least(min_batch_size, %(size)s::integer),"
             " max_batch_size = greatest(max_batch_size, %(size)s::integer),"
@@ -178,6 +186,7 @@ class LedgerChunks(LedgerSchema):
                 "map_index": attempt.map_index,
                 "try_number": attempt.try_number,
                 "host": attempt.host,
+                "paused": json.dumps(dict(paused or {})),
             },
         )
         if cur.rowcount != 1:

@@ -8,13 +8,14 @@ package's docstring). The columns are documented in ``docs/ledger.md``.
 
 from __future__ import annotations
 
+from airflow_retention.core.ledger.budget import LedgerBudget
 from airflow_retention.core.ledger.chunks import LedgerChunks
 from airflow_retention.core.ledger.history import LedgerHistory
 from airflow_retention.core.ledger.runs import LedgerRuns
 from airflow_retention.core.ledger.tenants import LedgerTenants
 
 
-class Ledger(LedgerRuns, LedgerChunks, LedgerTenants, LedgerHistory):
+class Ledger(LedgerRuns, LedgerChunks, LedgerTenants, LedgerHistory, LedgerBudget):
     """Statements on the ledger tables of one schema: ``Ledger(schema="retention")``.
 
     :param schema: the schema that holds the ledger tables (created by :meth:`ensure` if need be).

@@ -12,7 +12,7 @@ from airflow_retention.core.db import dbapi
 from airflow_retention.core.errors import PermanentError
 from airflow_retention.core.policy.identifiers import check_ident, quote_ident
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 MIGRATION_LOCK_TIMEOUT_MS = 30_000
 
@@ -177,6 +177,49 @@ CREATE TABLE IF NOT EXISTS {s}.plan_failures (
     # runs recorded before (not known); an empty array when the plan covered every leaf with rows.
     7: """
 ALTER TABLE {s}.runs ADD COLUMN IF NOT EXISTS leaves_deferred text[];
+""",
+    # The database budget: the controller's state shared by every worker of every purge on the database
+    # (one row), the canary it times, its observations (the chart of pressure beside cleanup), and each
+    # chunk's time paused per reason.
+    8: """
+CREATE TABLE IF NOT EXISTS {s}.budget_state (
+    scope              text PRIMARY KEY,
+    level              integer NOT NULL,
+    quiet              integer NOT NULL DEFAULT 0,
+    paused             boolean NOT NULL DEFAULT false,
+    concurrency        integer NOT NULL,
+    duty               double precision NOT NULL,
+    baseline_ms        double precision,
+    baseline_at        timestamptz,
+    canary_ms          double precision,
+    reasons            text[] NOT NULL DEFAULT '{{}}',
+    causes             text[] NOT NULL DEFAULT '{{}}',
+    signals            jsonb NOT NULL DEFAULT '{{}}',
+    observed_at        timestamptz,
+    claimed_until      timestamptz,
+    observer           text
+);
+CREATE TABLE IF NOT EXISTS {s}.budget_canary (
+    scope              text PRIMARY KEY,
+    at                 timestamptz NOT NULL
+);
+CREATE TABLE IF NOT EXISTS {s}.budget_observations (
+    at                 timestamptz NOT NULL DEFAULT clock_timestamp(),
+    scope              text NOT NULL,
+    level              integer NOT NULL,
+    concurrency        integer NOT NULL,
+    duty               double precision NOT NULL,
+    paused             boolean NOT NULL,
+    move               text NOT NULL,
+    canary_ms          double precision,
+    baseline_ms        double precision,
+    slots_busy         integer,
+    signals            jsonb NOT NULL,
+    reasons            text[] NOT NULL,
+    observer           text
+);
+CREATE INDEX IF NOT EXISTS budget_observations_at ON {s}.budget_observations (at);
+ALTER TABLE {s}.chunks ADD COLUMN IF NOT EXISTS paused jsonb NOT NULL DEFAULT '{{}}';
 """,
 }
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow_retention.core.errors import PolicyError
+from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.durations import Retention, format_window
 from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.keys import RENAMED_KEYS, unknown_key_hint
@@ -105,7 +106,7 @@ def policy_to_dict(policy: RetentionPolicy) -> dict[str, Any]:
             value = str(value)
         elif f.name == "tenant_retention":
             value = {tenant: str(duration) for tenant, duration in value}
-        elif isinstance(value, Throttle):
+        elif isinstance(value, (Throttle, Budget)):
             value = value.to_dict()
         elif isinstance(value, datetime):
             value = value.isoformat()

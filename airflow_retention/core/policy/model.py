@@ -14,6 +14,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from airflow_retention.core.errors import PolicyError
+from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.durations import Retention, format_window
 from airflow_retention.core.policy.identifiers import TableName, display_name
 from airflow_retention.core.policy.keys import RENAMED_KEYS, REQUIRED_KEYS, unknown_key_hint
@@ -109,6 +110,9 @@ class RetentionPolicy:
     :param start_date: the DAG's start date.
     :param catchup: whether the scheduler creates runs for missed intervals.
     :param throttle: pressure checks between batches (``Throttle``; a mapping in YAML).
+    :param budget: how much of the database the purge may use, steered by a controller with
+        hysteresis from pressure signals read between batches (:class:`~.budget.Budget`; a mapping in
+        YAML, ``false`` to turn it off). On by default.
     :param vacuum_after_rows: run ``VACUUM (ANALYZE)`` on the table after a run that deleted at least
         this many rows. None: never.
     :param ledger_keep_days: the planner deletes this policy's ledger runs planned (or completed) more
@@ -163,6 +167,7 @@ class RetentionPolicy:
     start_date: datetime = DEFAULT_START_DATE
     catchup: bool = False
     throttle: Throttle = field(default_factory=Throttle)
+    budget: Budget = field(default_factory=Budget)
     vacuum_after_rows: int | None = None
     ledger_keep_days: int = 180
     queue: str | None = None
@@ -231,6 +236,13 @@ class RetentionPolicy:
                 + (f"{self.chunk_rows:,}" if self.chunk_rows else f"sized to about {self.target_chunk_ms / 1000:g} s"),
             ),
             ("duty cycle", f"at most {self.max_duty_cycle:.0%} of the time in batches"),
+            (
+                "database budget",
+                f"on: up to {self.budget.max_workers} batch(es) at once on the database, steered every"
+                f" {self.budget.period_ms / 1000:g} s by the foreground's latency"
+                if self.budget.enabled
+                else "off",
+            ),
             ("WAL compression in batches", self.wal_compression),
             ("synchronous_commit in batches", self.synchronous_commit),
             (

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from airflow_retention.core.errors import PolicyError
+from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.durations import Retention, parse_timeout_ms, parse_window
 from airflow_retention.core.policy.identifiers import TableName, check_ident
 from airflow_retention.core.policy.throttle import Throttle
@@ -146,6 +147,7 @@ def validated_fields(policy: Any) -> dict[str, Any]:
     if not isinstance(policy.catchup, bool):
         raise fail("catchup", f"must be true or false, got {policy.catchup!r}")
     out["throttle"] = convert("throttle", Throttle.from_value, policy.throttle)
+    out["budget"] = convert("budget", Budget.from_value, policy.budget)
     if policy.vacuum_after_rows is not None:
         out["vacuum_after_rows"] = _int_in_range(fail, "vacuum_after_rows", policy.vacuum_after_rows, 1, 2**62)
     out["ledger_keep_days"] = _int_in_range(fail, "ledger_keep_days", policy.ledger_keep_days, 35, 36_500)

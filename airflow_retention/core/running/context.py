@@ -16,6 +16,7 @@ from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.records import Attempt, ChunkSpec
 from airflow_retention.core.planning.tenants import TenantCutoffs
 from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.budget import SharedBudget
 from airflow_retention.core.running.pacing import Pacer, Throttler
 from airflow_retention.core.sql.target import TargetInfo
 
@@ -53,6 +54,8 @@ class ChunkResult:
     last_batch_size: int | None = None
     resumed_from: int | None = None
     outcome: str | None = None
+    # Seconds paused by the database budget, by reason (docs/concepts.md, "The database budget").
+    paused: dict[str, float] = field(default_factory=dict)
     batch_log: list[BatchReport] = field(default_factory=list)
     tenant_rows: dict[str, int] = field(default_factory=dict)
 
@@ -89,6 +92,7 @@ class ChunkRun:
     cutoffs: TenantCutoffs
     pacer: Pacer
     throttler: Throttler
+    budget: SharedBudget
     sleep: Callable[[float], None] = time.sleep
     rng: random.Random = field(default_factory=random.Random)
     on_batch: Callable[[BatchReport], None] | None = None
@@ -99,6 +103,13 @@ class ChunkRun:
     # Every batch statement's parameters that do not change within the attempt: the frozen cutoffs, and
     # no tenant chosen or skipped.
     params: dict[str, Any] = field(init=False)
+
+    def paused_for_batch(self) -> dict[str, float]:
+        """The budget's pauses since the last batch recorded, by reason, into the result and the ledger."""
+        paused = self.budget.take()
+        for reason, seconds in paused.items():
+            self.result.paused[reason] = round(self.result.paused.get(reason, 0.0) + seconds, 3)
+        return paused
 
     def __post_init__(self) -> None:
         self.result = ChunkResult(run_key=self.key, chunk_key=self.chunk.key)

@@ -39,6 +39,7 @@ from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.admission import check_chunk, ensure_chunk_row
 from airflow_retention.core.running.batches import BatchStatement, Counts, check_archived, counts_tenants, statement_for
+from airflow_retention.core.running.budget import SharedBudget
 from airflow_retention.core.running.context import BatchReport, ChunkResult, ChunkRun, default_host
 from airflow_retention.core.running.detach import run_partition_chunk
 from airflow_retention.core.running.pacing import Pacer, Throttler, conflict_backoff
@@ -116,6 +117,9 @@ def run_chunk(
             sleep=sleep,
         ),
         throttler=Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep),
+        budget=SharedBudget(
+            policy, ledger, f"chunk {chunk.key}", f"{key} {chunk.key} ({attempt.label()})", sleep=sleep
+        ),
         sleep=sleep,
         rng=rng or random.Random(),
         on_batch=on_batch,
@@ -157,24 +161,32 @@ def walk(run: ChunkRun, walker: Walker, statement: BatchStatement, progress: Pro
     walker has no more batches or the chunk's ledger row says there is nothing left."""
     walker.open(run.conn)
     conflicts = 0  # consecutive batches that met a concurrent change
-    while True:
-        run.throttler.wait_until_calm(run.conn)
-        size = run.pacer.next_size(run.conn)
-        try:
-            done = _batch(run, walker, statement, progress, size)
-        except _TakeAgain as again:
-            if again.conflict:
-                conflicts += 1
-                _back_off(run, again.error, conflicts)
-            continue
-        if done is None:
-            return
-        report, full, exhausted = done
-        conflicts = 0
-        _tally(run, walker, report, full=full, exhausted=exhausted)
-        if exhausted:
-            return
-        run.result.duty_seconds += run.pacer.rest(report.ms)
+    try:
+        while True:
+            run.throttler.wait_until_calm(run.conn)
+            run.budget.admit(run.conn)  # a batch slot of the database budget, held until after the rest
+            size = run.pacer.next_size(run.conn)
+            try:
+                done = _batch(run, walker, statement, progress, size)
+            except _TakeAgain as again:
+                run.budget.release(run.conn)
+                if again.conflict:
+                    conflicts += 1
+                    _back_off(run, again.error, conflicts)
+                continue
+            if done is None:
+                return
+            report, full, exhausted = done
+            conflicts = 0
+            _tally(run, walker, report, full=full, exhausted=exhausted)
+            if exhausted:
+                return
+            rest = run.pacer.rest(report.ms, run.budget.duty())
+            run.budget.rested(rest)
+            run.result.duty_seconds += rest
+            run.budget.release(run.conn)
+    finally:
+        run.budget.release_quietly(run.conn)
 
 
 def _back_off(run: ChunkRun, error: RetentionError, conflicts: int) -> None:

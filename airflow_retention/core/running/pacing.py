@@ -272,12 +272,13 @@ class Pacer:
         )
         return True
 
-    def rest(self, ms: float) -> float:
-        """After a batch of ``ms``, pause so that batches take at most ``duty_cycle`` of the wall time;
-        returns the seconds paused."""
-        if self.duty_cycle >= 1 or ms <= 0:
+    def rest(self, ms: float, duty: float | None = None) -> float:
+        """After a batch of ``ms``, pause so that batches take at most ``duty_cycle`` (or ``duty``, the
+        database budget's) of the wall time; returns the seconds paused."""
+        duty = self.duty_cycle if duty is None else duty
+        if duty >= 1 or ms <= 0:
             return 0.0
-        pause = ms / 1000 * (1 / self.duty_cycle - 1)
+        pause = ms / 1000 * (1 / duty - 1)
         self.sleep(pause)
         return pause
 

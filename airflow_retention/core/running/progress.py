@@ -143,6 +143,7 @@ class LedgerProgress(Progress):
             outcome=outcome,
             attempt=run.attempt,
             first_batch_of_attempt=run.result.batches == 0,
+            paused=run.paused_for_batch(),
         )
         return exhausted
 

@@ -1,0 +1,202 @@
+"""Statements on the ledger's budget tables: the controller's state that every worker of every purge on the
+database reads (``budget_state``, one row), the claim of an observation period by one worker, the canary
+it times (``budget_canary``), its observations (``budget_observations``), the batch slots (session-level
+advisory locks, released by PostgreSQL when a worker's session ends) and each chunk's time paused per
+reason (``chunks.paused``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from airflow_retention.core.db import dbapi
+from airflow_retention.core.errors import RetryableError
+from airflow_retention.core.ledger.schema import LedgerSchema
+
+SCOPE = "database"
+# The advisory lock space of the batch slots: (SLOT_CLASS, slot number), shared by every ledger schema of
+# the database, so that purges with ledgers of their own still share the slots.
+SLOT_CLASS = 0x52657442  # "RetB"
+_STATE_COLUMNS = (
+    "level, quiet, paused, concurrency, duty, baseline_ms, reasons, causes,"
+    " extract(epoch FROM clock_timestamp() - observed_at)::float8"
+)
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """The budget as the last observation left it; ``age_s`` None: never observed."""
+
+    level: int
+    quiet: int
+    paused: bool
+    concurrency: int
+    duty: float
+    baseline_ms: float | None
+    reasons: tuple[str, ...]
+    causes: tuple[str, ...]
+    age_s: float | None
+
+    @classmethod
+    def of(cls, row: tuple[Any, ...]) -> BudgetState:
+        level, quiet, paused, concurrency, duty, baseline, reasons, causes, age = row
+        return cls(level, quiet, paused, concurrency, float(duty), baseline, tuple(reasons), tuple(causes), age)
+
+
+class LedgerBudget(LedgerSchema):
+    """The database budget's shared state."""
+
+    def budget_state(
+        self, conn: Any, *, level: int, concurrency: int, duty: float, period_s: float
+    ) -> tuple[BudgetState, bool]:
+        """The budget's state, created at ``level`` if there is none; and whether this caller claimed the
+        observation that is due (the last one is ``period_s`` old and nobody else is making it)."""
+        with dbapi.transaction(conn) as cur:
+            cur.execute(
+                f"INSERT INTO {self.s}.budget_state (scope, level, concurrency, duty)"
+                " VALUES (%(scope)s, %(level)s::integer, %(c)s::integer, %(duty)s::float8)"
+                " ON CONFLICT (scope) DO NOTHING",
+                {"scope": SCOPE, "level": level, "c": concurrency, "duty": duty},
+            )
+            cur.execute(
+                f"UPDATE {self.s}.budget_state"
+                " SET claimed_until = clock_timestamp() + make_interval(secs => %(p)s::float8)"
+                " WHERE scope = %(scope)s"
+                " AND coalesce(observed_at, '-infinity') <= clock_timestamp() - make_interval(secs => %(p)s::float8)"
+                " AND coalesce(claimed_until, '-infinity') <= clock_timestamp()"
+                f" RETURNING {_STATE_COLUMNS}",
+                {"scope": SCOPE, "p": period_s},
+            )
+            row = cur.fetchone()
+            if row is not None:
+                return BudgetState.of(row), True
+            cur.execute(f"SELECT {_STATE_COLUMNS} FROM {self.s}.budget_state WHERE scope = %(scope)s", {"scope": SCOPE})
+            return BudgetState.of(cur.fetchone()), False
+
+    def canary(self, conn: Any) -> float:
+        """One canary: a one-row write committed with ``synchronous_commit = on``, in milliseconds."""
+        started = time.perf_counter()
+        with dbapi.transaction(conn) as cur:
+            cur.execute("SET LOCAL synchronous_commit = on")
+            cur.execute(
+                f"INSERT INTO {self.s}.budget_canary (scope, at) VALUES (%(scope)s, clock_timestamp())"
+                " ON CONFLICT (scope) DO UPDATE SET at = EXCLUDED.at",
+                {"scope": SCOPE},
+            )
+        return (time.perf_counter() - started) * 1000
+
+    def slots_busy(self, conn: Any) -> int:
+        rows = dbapi.fetch_all(
+            conn,
+            "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND classid = %(k)s::bigint::oid AND objsubid = 2"
+            " AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+            {"k": SLOT_CLASS},
+        )
+        return int(rows[0][0])
+
+    def record_observation(
+        self,
+        conn: Any,
+        *,
+        level: int,
+        quiet: int,
+        paused: bool,
+        concurrency: int,
+        duty: float,
+        move: str,
+        canary_ms: float | None,
+        baseline_ms: float,
+        new_baseline: bool,
+        slots_busy: int | None,
+        signals: Mapping[str, Any],
+        reasons: tuple[str, ...],
+        causes: tuple[str, ...] | None,
+        observer: str,
+    ) -> None:
+        """The decision of the claimed period, for every worker; ``causes`` None keeps the ones recorded."""
+        params = {
+            "scope": SCOPE,
+            "level": level,
+            "quiet": quiet,
+            "paused": paused,
+            "c": concurrency,
+            "duty": duty,
+            "move": move,
+            "canary": canary_ms,
+            "baseline": baseline_ms,
+            "new_baseline": new_baseline,
+            "busy": slots_busy,
+            "signals": json.dumps(signals),
+            "reasons": list(reasons),
+            "causes": list(causes) if causes is not None else None,
+            "observer": observer,
+        }
+        with dbapi.transaction(conn) as cur:
+            cur.execute(
+                f"UPDATE {self.s}.budget_state SET level = %(level)s::integer, quiet = %(quiet)s::integer,"
+                " paused = %(paused)s::boolean, concurrency = %(c)s::integer, duty = %(duty)s::float8,"
+                " canary_ms = %(canary)s::float8, reasons = %(reasons)s::text[],"
+                " causes = coalesce(%(causes)s::text[], causes), signals = %(signals)s::jsonb,"
+                " baseline_ms = %(baseline)s::float8,"
+                " baseline_at = CASE WHEN %(new_baseline)s::boolean THEN clock_timestamp() ELSE baseline_at END,"
+                " observed_at = clock_timestamp(), claimed_until = NULL, observer = %(observer)s::text"
+                " WHERE scope = %(scope)s",
+                params,
+            )
+            cur.execute(
+                f"INSERT INTO {self.s}.budget_observations (scope, level, concurrency, duty, paused, move,"
+                " canary_ms, baseline_ms, slots_busy, signals, reasons, observer)"
+                " VALUES (%(scope)s, %(level)s::integer, %(c)s::integer, %(duty)s::float8, %(paused)s::boolean,"
+                " %(move)s::text, %(canary)s::float8, %(baseline)s::float8, %(busy)s::integer,"
+                " %(signals)s::jsonb, %(reasons)s::text[], %(observer)s::text)",
+                params,
+            )
+
+    def try_slot(self, conn: Any, slot: int) -> bool:
+        rows = dbapi.fetch_all(
+            conn, "SELECT pg_try_advisory_lock(%(k)s::integer, %(slot)s::integer)", {"k": SLOT_CLASS, "slot": slot}
+        )
+        return bool(rows[0][0])
+
+    def wait_slot(self, conn: Any, slot: int, timeout_ms: int) -> bool:
+        """Queue for ``slot`` behind its holder (PostgreSQL grants it in turn), at most ``timeout_ms``."""
+        try:
+            with dbapi.transaction(conn) as cur:
+                cur.execute("SELECT set_config('lock_timeout', %(t)s, true)", {"t": str(max(1, timeout_ms))})
+                cur.execute(
+                    "SELECT pg_advisory_lock(%(k)s::integer, %(slot)s::integer)", {"k": SLOT_CLASS, "slot": slot}
+                )
+        except RetryableError as exc:
+            if exc.sqlstate == "55P03":
+                return False
+            raise
+        return True
+
+    def release_slot(self, conn: Any, slot: int) -> None:
+        dbapi.fetch_all(
+            conn, "SELECT pg_advisory_unlock(%(k)s::integer, %(slot)s::integer)", {"k": SLOT_CLASS, "slot": slot}
+        )
+
+    def observations(self, conn: Any, since: Any, until: Any | None = None) -> list[dict[str, Any]]:
+        """The budget's observations from ``since`` (to ``until``), oldest first: a run's chart."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT at, level, concurrency, duty, paused, move, canary_ms, baseline_ms, slots_busy, signals, reasons"
+            f" FROM {self.s}.budget_observations WHERE at >= %(since)s::timestamptz"
+            " AND (%(until)s::timestamptz IS NULL OR at <= %(until)s::timestamptz) ORDER BY at",
+            {"since": since, "until": until},
+        )
+        keys = ("at", "level", "concurrency", "duty", "paused", "move", "canary_ms", "baseline_ms", "slots_busy",
+                "signals", "reasons")  # fmt: skip
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    def forget_observations(self, cur: Any, keep_days: int) -> None:
+        cur.execute(
+            f"DELETE FROM {self.s}.budget_observations WHERE at < now() - make_interval(days => %(d)s::integer)",
+            {"d": keep_days},
+        )

@@ -1,0 +1,287 @@
+"""The database budget shared by every worker of every purge on one database: before each batch a chunk
+takes a batch slot within the budget's concurrency, after it rests (holding the slot) so that the slot is
+busy at most the budget's duty cycle, and once per observation period one worker, whichever claims the
+period in the ledger, reads the pressure signals and moves the budget (:mod:`.controller`).
+
+The slots are session-level advisory locks: a worker killed mid-batch loses its session, and PostgreSQL
+releases its slot with it (no lease to expire, no slot leaked). A worker waiting for a slot queues on one
+in PostgreSQL's lock queue, so a worker that releases a slot and asks again goes behind the ones waiting.
+Every pause is accounted to its reason (the signal that lowered the budget, ``slots`` when the budget is
+simply full, ``max_duty_cycle`` for the policy's own duty cycle) and written to the chunk's ledger row with
+its next batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from airflow_retention.core.db.pressure import Signal, read_signals
+from airflow_retention.core.errors import RetryableError
+from airflow_retention.core.ledger.budget import BudgetState
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.controller import decide, ladder, start_level
+
+log = logging.getLogger(__name__)
+
+BASELINE_SAMPLES = 5
+CANARY_SAMPLES = 3
+# A state nobody observed for this long belongs to purges that ended: the next one starts the budget
+# afresh (its baseline measured before its first batch, from the starting step).
+STALE_PERIODS = 10
+STALE_MIN_S = 60.0
+
+
+class SharedBudget:
+    """One chunk attempt's view of the database budget (``policy.budget``).
+
+    :param observer: who observes when this attempt claims a period (the chunk and its host), recorded.
+    :param clock: monotonic seconds (tests pass a fake).
+    :param sleep: how it pauses (tests pass a fake).
+    :param read: how the pressure signals are read (tests pass fakes).
+    """
+
+    def __init__(
+        self,
+        policy: RetentionPolicy,
+        ledger: Ledger,
+        label: str,
+        observer: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+        read: Callable[[Any, RetentionPolicy], list[Signal]] = read_signals,
+    ) -> None:
+        self.policy, self.settings, self.ledger = policy, policy.budget, ledger
+        self.label, self.observer = label, observer
+        self.clock, self.sleep, self.rng, self.read = clock, sleep, rng or random.Random(), read
+        self.period_s = self.settings.period_ms / 1000
+        self.steps = ladder(self.settings.max_workers)
+        self.state: BudgetState | None = None
+        self.slot: int | None = None
+        self.next_look = 0.0
+        self.pending: dict[str, float] = {}
+        self.paused_s = 0.0  # paused (signals) or waiting for a slot in this attempt
+        self._told: tuple[int, bool, tuple[str, ...]] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    # -- before a batch ---------------------------------------------------------------------------
+
+    def admit(self, conn: Any) -> None:
+        """Return holding a batch slot within the budget; pause while a signal says so."""
+        if not self.enabled or self.slot is not None:
+            return
+        while True:
+            state = self._look(conn)
+            if state.paused:
+                self._pause(state)
+                continue
+            slot = self._take(conn, state.concurrency)
+            if slot is None:
+                # Every slot is busy: queue on one for at most a period, then look at the budget again.
+                started = self.clock()
+                slot = self.rng.randrange(state.concurrency)
+                if not self.ledger.wait_slot(conn, slot, self.settings.period_ms):
+                    slot = None
+                self._account(self._slot_reason(state), self.clock() - started)
+                self._give_up_past(state, f"waiting for a batch slot ({self._slot_reason(state)})")
+            if slot is not None:
+                if slot < state.concurrency:
+                    self.slot = slot
+                    return
+                self.ledger.release_slot(conn, slot)  # the budget shrank while it waited
+
+    def _take(self, conn: Any, concurrency: int) -> int | None:
+        for slot in range(concurrency):
+            if self.ledger.try_slot(conn, slot):
+                return slot
+        return None
+
+    def _pause(self, state: BudgetState) -> None:
+        why = "; ".join(state.reasons) or "a pause signal"
+        self._give_up_past(state, f"paused: {why}")
+        pause = self.rng.uniform(self.period_s / 2, self.period_s)
+        log.warning("%s: database budget paused: %s; looking again in %.1f s", self.label, why, pause)
+        self.sleep(pause)
+        self._account(state.causes[0] if state.causes else "pause", pause)
+        self.next_look = 0.0
+
+    def _give_up_past(self, state: BudgetState, doing: str) -> None:
+        limit_ms = self.policy.throttle.give_up_after_ms
+        if self.paused_s * 1000 >= limit_ms:
+            raise RetryableError(
+                f"{self.label}: {doing} for {self.paused_s:.1f} s in this attempt (give_up_after"
+                f" {limit_ms / 1000:g} s); budget: {self.steps[state.level].describe()}"
+                f"{' (' + '; '.join(state.reasons) + ')' if state.reasons else ''}. Committed batches stay; the"
+                " task's retry resumes the chunk"
+            )
+
+    # -- after a batch ----------------------------------------------------------------------------
+
+    def duty(self) -> float:
+        """The duty cycle of the slot held: the budget's, or the policy's own when lower."""
+        if not self.enabled or self.state is None:
+            return self.policy.max_duty_cycle
+        return min(self.policy.max_duty_cycle, self.state.duty)
+
+    def rested(self, seconds: float) -> None:
+        """Account the rest after a batch (taken while holding the slot) to its reason."""
+        if seconds <= 0:
+            return
+        if self.enabled and self.state is not None and self.state.duty < self.policy.max_duty_cycle:
+            self._account(self.state.causes[0] if self.state.causes else "budget", seconds, waiting=False)
+        else:
+            self._account("max_duty_cycle", seconds, waiting=False)
+
+    def release(self, conn: Any) -> None:
+        if self.slot is None:
+            return
+        slot, self.slot = self.slot, None
+        self.ledger.release_slot(conn, slot)
+
+    def release_quietly(self, conn: Any) -> None:
+        """After a failed batch: the slot goes with the session anyway if the connection is lost."""
+        try:
+            self.release(conn)
+        except Exception:
+            log.debug("%s: could not release batch slot", self.label, exc_info=True)
+
+    def take(self) -> dict[str, float]:
+        """The pauses not yet written to the ledger, by reason (seconds)."""
+        pending, self.pending = self.pending, {}
+        return {k: round(v, 3) for k, v in pending.items()}
+
+    # -- the shared state -------------------------------------------------------------------------
+
+    def _look(self, conn: Any) -> BudgetState:
+        now = self.clock()
+        if self.state is not None and now < self.next_look:
+            return self.state
+        start = start_level()
+        state, claimed = self.ledger.budget_state(
+            conn,
+            level=start,
+            concurrency=self.steps[start].concurrency,
+            duty=self.steps[start].duty,
+            period_s=self.period_s,
+        )
+        if claimed:
+            state = self._observe(conn, state)
+        self.next_look = now + self.period_s / 2
+        self.state = state
+        self._tell(state)
+        return state
+
+    def _observe(self, conn: Any, state: BudgetState) -> BudgetState:
+        stale = state.age_s is None or state.age_s > max(STALE_MIN_S, STALE_PERIODS * self.period_s)
+        busy = self.ledger.slots_busy(conn)
+        level, quiet, baseline, new_baseline = state.level, state.quiet, state.baseline_ms, False
+        if stale or baseline is None:
+            # A budget starting afresh: the baseline is the foreground alone, before this purge's first batch.
+            if busy and baseline is not None:
+                log.info("%s: %d batch slot(s) busy: keeping the baseline of %.1f ms", self.label, busy, baseline)
+            else:
+                baseline = self._canary(conn, BASELINE_SAMPLES)
+                new_baseline = True
+                if busy:
+                    log.warning("%s: baseline measured while %d batch(es) ran: %.1f ms", self.label, busy, baseline)
+            level, quiet = start_level(), 0
+        assert baseline is not None
+        canary = self._canary(conn, CANARY_SAMPLES)
+        signals = self.read(conn, self.policy)
+        free = _free_connections(signals, busy)
+        decision = decide(self.settings, level, quiet, canary, baseline, signals, free_connections=free)
+        if decision.move in ("down", "pause"):
+            causes: tuple[str, ...] | None = decision.causes
+        elif decision.level >= start_level():
+            causes = ()
+        else:
+            causes = None  # below the start: the cause that took it there still holds
+        self.ledger.record_observation(
+            conn,
+            level=decision.level,
+            quiet=decision.quiet,
+            paused=decision.paused,
+            concurrency=decision.step.concurrency,
+            duty=decision.step.duty,
+            move=decision.move,
+            canary_ms=canary,
+            baseline_ms=baseline,
+            new_baseline=new_baseline,
+            slots_busy=busy,
+            signals={
+                "canary_latency": {"value": canary, "baseline": baseline},
+                **{s.name: s.to_dict() for s in signals},
+            },
+            reasons=decision.reasons,
+            causes=causes,
+            observer=self.observer,
+        )
+        for signal in signals:
+            if signal.value is None:
+                log.warning("%s: pressure signal %s (on_unreadable: %s)", self.label, signal.describe(),
+                            self.settings.on_unreadable)  # fmt: skip
+        if decision.move != "hold" or new_baseline:
+            log.info(
+                "%s: database budget %s: %s; canary %.1f ms (baseline %.1f ms)%s",
+                self.label,
+                {"up": "up", "down": "down", "pause": "paused", "hold": "starts at"}[decision.move],
+                decision.step.describe(),
+                canary,
+                baseline,
+                f": {'; '.join(decision.reasons)}" if decision.reasons else "",
+            )
+        return BudgetState(
+            level=decision.level,
+            quiet=decision.quiet,
+            paused=decision.paused,
+            concurrency=decision.step.concurrency,
+            duty=decision.step.duty,
+            baseline_ms=baseline,
+            reasons=decision.reasons,
+            causes=causes if causes is not None else state.causes,
+            age_s=0.0,
+        )
+
+    def _canary(self, conn: Any, samples: int) -> float:
+        return statistics.median(self.ledger.canary(conn) for _ in range(samples))
+
+    def _tell(self, state: BudgetState) -> None:
+        told = (state.level, state.paused, state.reasons)
+        if self._told is not None and self._told[:2] != told[:2]:
+            log.info(
+                "%s: database budget now %s%s",
+                self.label,
+                "paused" if state.paused else self.steps[state.level].describe(),
+                f" ({'; '.join(state.reasons)})" if state.reasons else "",
+            )
+        self._told = told
+
+    def _slot_reason(self, state: BudgetState) -> str:
+        if state.causes and state.level < len(self.steps) - 1:
+            return state.causes[0]
+        return "slots"
+
+    def _account(self, reason: str, seconds: float, *, waiting: bool = True) -> None:
+        """``waiting``: a pause or a wait for a slot, which counts towards ``give_up_after`` (a rest of the
+        duty cycle does not: it is the budget working, not the purge held)."""
+        self.pending[reason] = self.pending.get(reason, 0.0) + seconds
+        if waiting:
+            self.paused_s += seconds
+
+
+def _free_connections(signals: list[Signal], busy: int) -> float | None:
+    """Connections free beyond the reserve, the purges' own batch slots counted as free."""
+    for signal in signals:
+        if signal.name == "connections" and signal.value is not None and signal.limit is not None:
+            return signal.limit - signal.value + busy
+    return None

@@ -1,0 +1,145 @@
+"""The budget's controller: from one observation of the pressure signals to how much of the database the
+purges may use next period. Plain functions of their inputs (no clock, no database), so that the
+hysteresis is tested with fake signals.
+
+The budget is a ladder of steps, from the floor (one batch at a time, busy a tenth of the time) through
+longer duty cycles to more batches at once (:func:`ladder`). The controller moves at most one step per
+observation period:
+
+- down one step in the period the canary's latency crosses its upper threshold or a signal whose effect
+  is ``step`` is above its limit (promptly: no waiting for a second look);
+- up one step only after ``quiet_periods`` periods in a row with the latency below the lower threshold and
+  every signal below its limit (slowly: a foreground that comes back is not chased);
+- held in between (the band between the thresholds is the hysteresis);
+- paused, with its step kept, while a signal whose effect is ``pause`` is above its limit (a standby's
+  replay lag, the WAL archive's backlog);
+
+and never above the step whose batch count exceeds the connections free beyond the reserve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from airflow_retention.core.db.pressure import PAUSE, STEP, Signal
+from airflow_retention.core.policy.budget import Budget
+
+# The duty cycles of one batch at a time, below the full one; from there, one more batch at a time per step.
+DUTY_STEPS = (0.1, 0.2, 0.35, 0.5, 0.75)
+# Thresholds relative to a baseline of a millisecond or two would trip on the noise of one sample: the
+# upper threshold is at least this far above the baseline, the lower one at least LOWER_MARGIN_MS.
+UPPER_MARGIN_MS = 1.5
+LOWER_MARGIN_MS = 0.75
+CANARY = "canary_latency"
+
+
+@dataclass(frozen=True)
+class Step:
+    """Batches of all purges at once on the database, and the share of time each batch slot is busy."""
+
+    concurrency: int
+    duty: float
+
+    def describe(self) -> str:
+        return f"{self.concurrency} batch(es) at once, busy {self.duty:.0%} of the time"
+
+
+def ladder(max_workers: int) -> list[Step]:
+    """Every step of a budget of at most ``max_workers`` batches at once, lowest first."""
+    return [Step(1, d) for d in DUTY_STEPS] + [Step(c, 1.0) for c in range(1, max_workers + 1)]
+
+
+def start_level() -> int:
+    """Where a budget starts: one batch at a time, full duty (one worker beside a busy foreground measured
+    no worse than idle; docs/performance.md)."""
+    return len(DUTY_STEPS)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    upper_ms: float
+    lower_ms: float
+
+    @classmethod
+    def of(cls, budget: Budget, baseline_ms: float) -> Thresholds:
+        if budget.upper_latency_ms is not None and budget.lower_latency_ms is not None:
+            return cls(budget.upper_latency_ms, budget.lower_latency_ms)
+        return cls(
+            max(baseline_ms * budget.upper, baseline_ms + UPPER_MARGIN_MS),
+            max(baseline_ms * budget.lower, baseline_ms + LOWER_MARGIN_MS),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The budget for the next period and why."""
+
+    level: int
+    step: Step
+    quiet: int
+    paused: bool
+    move: str  # "up", "down", "hold", "pause"
+    reasons: tuple[str, ...] = ()
+    # The signals behind the move, by name (``canary_latency``, ``lock_waiters``, ...): the keys under
+    # which pauses are recorded.
+    causes: tuple[str, ...] = field(default=())
+
+
+def decide(
+    budget: Budget,
+    level: int,
+    quiet: int,
+    canary_ms: float | None,
+    baseline_ms: float,
+    signals: Sequence[Signal],
+    *,
+    free_connections: float | None = None,
+) -> Decision:
+    """The next period's budget from this period's observation.
+
+    :param level: the current step's index in :func:`ladder`.
+    :param quiet: quiet periods in a row so far.
+    :param canary_ms: the canary's latency this period (None: it could not be measured).
+    :param baseline_ms: the canary's latency before the purges started.
+    :param free_connections: connections free beyond the reserve, counting the purges' own batch slots
+        as free (None: unknown): the highest step allowed.
+    """
+    steps = ladder(budget.max_workers)
+    level = max(0, min(level, len(steps) - 1))
+    if free_connections is not None:
+        while level > 0 and steps[level].concurrency > max(1, int(free_connections)):
+            level -= 1
+    limits = Thresholds.of(budget, baseline_ms)
+    closed = budget.on_unreadable == "closed"
+    pausing = [s for s in signals if s.effect == PAUSE and (s.high or (closed and s.value is None))]
+    if pausing:
+        why = tuple(_why(s) for s in pausing)
+        return Decision(level, steps[level], 0, True, "pause", why, tuple(s.name for s in pausing))
+    stepping = [s for s in signals if s.effect == STEP and (s.high or (closed and s.value is None))]
+    reasons = [_why(s) for s in stepping]
+    causes = [s.name for s in stepping]
+    if canary_ms is None:
+        if closed:
+            reasons.append(f"{CANARY} unreadable")
+            causes.append(CANARY)
+    elif canary_ms > limits.upper_ms:
+        reasons.append(f"{CANARY} {canary_ms:.1f} ms > {limits.upper_ms:.1f} ms (baseline {baseline_ms:.1f} ms)")
+        causes.append(CANARY)
+    if reasons:
+        level = max(0, level - 1)
+        return Decision(level, steps[level], 0, False, "down", tuple(reasons), tuple(causes))
+    if canary_ms is None or canary_ms < limits.lower_ms:
+        quiet += 1
+        if quiet >= budget.quiet_periods and level + 1 < len(steps):
+            ceiling = max(1, int(free_connections)) if free_connections is not None else None
+            if ceiling is None or steps[level + 1].concurrency <= ceiling:
+                return Decision(level + 1, steps[level + 1], 0, False, "up")
+        return Decision(level, steps[level], quiet, False, "hold")
+    # Inside the band: neither calm enough to grow nor loud enough to shrink.
+    band = f"{CANARY} {canary_ms:.1f} ms between {limits.lower_ms:.1f} and {limits.upper_ms:.1f} ms"
+    return Decision(level, steps[level], 0, False, "hold", (band,), ())
+
+
+def _why(signal: Signal) -> str:
+    return signal.describe()
