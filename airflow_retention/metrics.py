@@ -9,11 +9,13 @@ out as tags (``policy``, ``table``) for backends that take them. The names are d
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 
 from airflow_retention.compat import stats
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.engine import BatchReport
+from airflow_retention.core.running.slo import CleanupSlo
 
 log = logging.getLogger(__name__)
 
@@ -70,3 +72,39 @@ def cleanup_lag(policy: RetentionPolicy, seconds: float, left: int) -> None:
     """At the end of a run: how overdue the oldest eligible row left behind is, and how many are left."""
     _safely(stats.gauge, _name("cleanup_lag_seconds", policy), seconds, tags=_tags(policy))
     _safely(stats.gauge, _name("eligible_left", policy), left, tags=_tags(policy))
+
+
+def paused(policy: RetentionPolicy, seconds_by_reason: Mapping[str, float]) -> None:
+    """When a chunk task finishes its chunk: the time it paused for the database budget, per reason
+    (``retention.paused_ms_<reason>.<policy>``, in whole milliseconds: a counter takes integers everywhere)."""
+    for reason, seconds in seconds_by_reason.items():
+        ms = round(seconds * 1000)
+        if ms > 0:
+            tags = {**_tags(policy), "reason": reason}
+            _safely(stats.incr, _name(f"paused_ms_{_metric_part(reason)}", policy), ms, tags=tags)
+
+
+def budget(policy: RetentionPolicy, *, concurrency: int, duty: float, paused: bool) -> None:
+    """The database budget as it stands: batches allowed at once, their duty cycle, and whether it pauses."""
+    tags = _tags(policy)
+    _safely(stats.gauge, _name("budget_concurrency", policy), concurrency, tags=tags)
+    _safely(stats.gauge, _name("budget_duty", policy), duty, tags=tags)
+    _safely(stats.gauge, _name("budget_paused", policy), 1 if paused else 0, tags=tags)
+
+
+def slo(policy: RetentionPolicy, cleanup: CleanupSlo) -> None:
+    """When ``verify`` completes a run: the cleanup SLO (core/running/slo.py) and the share of the last run
+    the budget held at its floor; ``slo_keeps_up`` is 1 or 0, not sent while μ is unknown."""
+    tags = _tags(policy)
+    if cleanup.keeps_up is not None:
+        _safely(stats.gauge, _name("slo_keeps_up", policy), 1 if cleanup.keeps_up else 0, tags=tags)
+    _safely(stats.gauge, _name("budget_floor_share", policy), cleanup.floor_share, tags=tags)
+    _safely(stats.gauge, _name("slo_lambda_rows_per_day", policy), cleanup.lambda_rows_per_day, tags=tags)
+    _safely(stats.gauge, _name("slo_concurrency", policy), cleanup.concurrency, tags=tags)
+    if cleanup.mu_rows_per_s is not None:
+        _safely(stats.gauge, _name("slo_mu_rows_per_s", policy), cleanup.mu_rows_per_s, tags=tags)
+
+
+def _metric_part(text: str) -> str:
+    """A reason as one part of a metric name (letters, digits and underscores)."""
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in text) or "unknown"

@@ -7,7 +7,7 @@ Retention view's seeded ledger and api-server (tests/plugins), and those of a mo
 fixture (a migrated metadata database, the newcomer's virtual environment, a Celery deployment, ...). Any other
 test goes to whichever worker is free. The longest groups start first: the shared deployment's tests (mostly
 waiting on Airflow), then the other scheduler and wheel tests; the short tests fill the end. Last come the few
-tests (:data:`SOLO`) that measure what the other workers would disturb (a wall-clock bound, the server's WAL):
+tests marked ``solo`` that measure what the other workers would disturb (a wall-clock bound, the server's WAL):
 one worker runs them once every other worker has finished.
 
 pytest-xdist's own ``loadgroup`` carries a test's ``xdist_group`` mark to its controller inside the test's id,
@@ -28,13 +28,6 @@ from typing import Any
 import pytest
 
 GROUPS_ENV = "RETENTION_TEST_XDIST_GROUPS"  # the directory where the workers write their groups
-# Tests that assert a wall-clock bound or measure the whole server's WAL: with the other workers busy they
-# measure the others too. Test functions, by ``path::name``.
-SOLO = (
-    "tests/cli/test_demo_database.py::test_help_is_fast_and_does_not_import_airflow",
-    "tests/core/running/test_engine.py::test_batches_write_compressed_full_page_images_when_told",
-    "tests/provider/test_runs.py::test_a_problem_no_retry_can_fix_fails_at_once_and_deletes_nothing",
-)
 SOLO_GROUP = "solo"
 SHARED_FIXTURES = {
     "deployment": "deployment",  # tests/deployment/conftest.py: one Airflow deployment for the package
@@ -44,7 +37,7 @@ SHARED_FIXTURES = {
 
 def group_of(item: pytest.Item) -> str | None:
     """The group of tests ``item`` must share a worker with, or None."""
-    if item.nodeid.split("[")[0] in SOLO:
+    if item.get_closest_marker("solo") is not None:
         return SOLO_GROUP
     mark = item.get_closest_marker("xdist_group")
     if mark is not None:

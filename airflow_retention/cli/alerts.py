@@ -25,9 +25,13 @@ STUCK_AFTER = timedelta(hours=1)
 class Alert:
     """One line of the warnings of a policy; ``kind`` is ``target`` (the table or a column the policy
     names is missing or wrong: the next plan fails), ``plan_failed`` (the last plan raised, and none
-    succeeded since), ``missed_run``, ``stuck``, ``not_verified``,
+    succeeded since), ``missed_run``, ``stuck``, ``throttled`` (no batch for an hour while the database
+    budget pauses every purge: held on purpose, not stuck), ``not_verified``,
     ``chunk_error``, ``dead_letter``, ``leaves_deferred`` (the latest run's plan left leaves of a
-    partitioned table past the chunk budget) or ``no_ledger``. ``public`` is the message without connection
+    partitioned table past the chunk budget), ``slo_at_risk`` (the purge, inside the database budget,
+    cannot keep up with the rows that become eligible plus the backlog within the cleanup window),
+    ``budget_exhausted`` (the budget held the last run at its floor most of the time) or ``no_ledger``.
+    ``public`` is the message without connection
     details (the database's name), for readers who may not see the connection; None: the same."""
 
     kind: str
@@ -57,7 +61,8 @@ def blank(text: str, hidden: Sequence[str]) -> str:
 
 
 # Warnings that mean a policy is failing (``status`` exits 3): its target cannot be purged, or its latest
-# run has stopped on an error. Missed days and a missing ledger are not failures.
+# run has stopped on an error. Missed days, a missing ledger and the SLO's warnings are not failures: the
+# purge still runs, slower than it should.
 FAILING_KINDS = frozenset({"stuck", "not_verified", "dead_letter"})
 # Failing whatever the latest run: the target check, and a failed plan no plan has succeeded since.
 ALWAYS_FAILING = frozenset({"target", "plan_failed"})
@@ -148,15 +153,28 @@ def dead_letter_warnings(conn: Any, ledger: Any, runs: list[RunSummary]) -> list
     return out
 
 
-def run_warnings(runs: list[RunSummary], now: datetime) -> list[Alert]:
-    """Runs stuck planned (no batch for an hour), runs whose chunks are done but not verified, chunk errors."""
+def run_warnings(runs: list[RunSummary], now: datetime, held_by: str | None = None) -> list[Alert]:
+    """Runs stuck planned (no batch for an hour), runs whose chunks are done but not verified, chunk errors.
+
+    :param held_by: why the database budget pauses every purge now (None: it does not): a run without a
+        batch for an hour is then ``throttled`` on purpose (a warning), not ``stuck`` (a failure).
+    """
     out: list[Alert] = []
     for run in runs:
         if run.kind == "lone" or run.state == "complete":
             pass
         elif run.running:
             idle = now - (run.last_batch_at or run.planned_at)
-            if idle > STUCK_AFTER:
+            if idle > STUCK_AFTER and held_by is not None:
+                out.append(
+                    Alert(
+                        "throttled",
+                        f"run {run.run_key}: no batch for {human_seconds(idle.total_seconds())}: held on purpose,"
+                        f" the database budget is paused ({held_by})",
+                        run.run_key,
+                    )
+                )
+            elif idle > STUCK_AFTER:
                 since = "no batch committed" if run.last_batch_at is None else "no batch"
                 out.append(
                     Alert(
@@ -202,3 +220,18 @@ def deferred_leaves_warning(runs: list[RunSummary]) -> list[Alert]:
         " leaf each run, raise [core] max_map_length"
     )
     return [Alert("leaves_deferred", message, latest.run_key)]
+
+
+# The SLO's warnings by how they begin (core/running/slo.py).
+SLO_KINDS = {"cleanup SLO at risk": "slo_at_risk", "exhausted database budget": "budget_exhausted"}
+
+
+def slo_alerts(slo: Any | None) -> list[Alert]:
+    """The cleanup SLO's warnings (:func:`~airflow_retention.core.running.slo.cleanup_slo`): at risk, and an
+    exhausted database budget. Warnings, never failures: the purge runs, only not fast enough."""
+    if slo is None:
+        return []
+    return [
+        Alert(next((k for p, k in SLO_KINDS.items() if w.startswith(p)), "slo_at_risk"), w, slo.last_run_key)
+        for w in slo.warnings
+    ]

@@ -13,10 +13,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from airflow_retention.cli.report import PolicyStatus, covered_line
+from airflow_retention.cli.report import PolicyStatus, budget_line, covered_line, paused_line
 from airflow_retention.cli.runs import RunSummary
 from airflow_retention.cli.timefmt import human_seconds, short
 from airflow_retention.core.ledger.records import ChunkSpec
+from airflow_retention.core.ledger.slo import BUDGET_VERSION
 
 # Piped output (files, CI logs, tests) gets wide tables instead of rich's 80 columns.
 PIPE_WIDTH = 160
@@ -113,6 +114,15 @@ def print_status(
             console.print(status_table(status))
         elif status.ledger_version:
             console.print("  no run in the ledger yet")
+        # Beside the runs, what held them: the budget, the latest run's pauses by reason (a ledger older than
+        # version 8 has neither), and the cleanup SLO.
+        if (status.ledger_version or 0) >= BUDGET_VERSION:
+            console.print(f"  {escape(budget_line(status.budget, enabled=p.budget.enabled))}", soft_wrap=True)
+            paused = paused_line(status.paused_run_key, status.paused)
+            if paused is not None:
+                console.print(f"  {escape(paused)}", soft_wrap=True)
+        if status.slo is not None:
+            console.print(f"  {escape(status.slo.describe())}", soft_wrap=True)
         failures = status.failures
         for failure in failures:
             console.print(f"  [red]failing:[/] {escape(failure.message)}", soft_wrap=True)

@@ -1,5 +1,6 @@
 """The status report of a policy (``airflow-retention status`` and the Retention view): its recent runs,
-its warnings, the scheduled runs it missed and the ``airflow backfill create`` command that runs them.
+its warnings, the scheduled runs it missed and the ``airflow backfill create`` command that runs them, the
+database budget as it stands, the latest run's pauses per reason and the cleanup SLO.
 
 Nothing here writes. :mod:`airflow_retention.cli.render` draws a :class:`PolicyStatus`; ``to_json``
 gives the stable ``--json`` form. Runs are summarised by :mod:`airflow_retention.cli.runs`, warnings
@@ -9,6 +10,7 @@ found by :mod:`airflow_retention.cli.alerts`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -21,12 +23,15 @@ from airflow_retention.cli.alerts import (
     mark_failing,
     plan_failure_alerts,
     run_warnings,
+    slo_alerts,
     target_alert,
 )
 from airflow_retention.cli.runs import RunSummary, load_runs
-from airflow_retention.cli.timefmt import iso, short
+from airflow_retention.cli.timefmt import human_seconds, iso, short
 from airflow_retention.core.policy.model import policy_dag_id
 from airflow_retention.core.running.verify import MISSED_RUNS_GRACE
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class PolicyStatus:
     warnings: list[Alert] = field(default_factory=list)
     # Scheduled dates without a run of their own that a later complete run covered (no backfill needed).
     covered: list[MissedRunInfo] = field(default_factory=list)
+    # The database budget as its last observation left it (``Ledger.budget_snapshot``; None: never observed).
+    budget: dict[str, Any] | None = None
+    # The latest planned run's pauses, by reason (seconds; ``chunks.paused``): throttled, not stuck.
+    paused_run_key: str | None = None
+    paused: dict[str, float] = field(default_factory=dict)
+    # The cleanup SLO (:class:`~airflow_retention.core.running.slo.CleanupSlo`); None: no complete run yet.
+    slo: Any | None = None
 
     @property
     def failures(self) -> list[Alert]:
@@ -84,7 +96,63 @@ class PolicyStatus:
             "covered_runs": [m.to_json() for m in self.covered],
             "warnings": [w.to_json() for w in self.warnings],
             "failing": [w.to_json() for w in self.failures],
+            "budget": budget_json(self.budget, enabled=p.budget.enabled),
+            "paused_seconds": {"run_key": self.paused_run_key, "by_reason": dict(self.paused)},
+            "slo": self.slo.to_dict() if self.slo is not None else None,
         }
+
+
+def budget_json(state: dict[str, Any] | None, *, enabled: bool = True) -> dict[str, Any]:
+    """The budget's state for ``--json``: ``observed`` false when no purge ever observed it."""
+    if state is None:
+        return {"enabled": enabled, "observed": False}
+    return {
+        "enabled": enabled,
+        "observed": True,
+        "state": budget_text(state),
+        "level": state["level"],
+        "concurrency": state["concurrency"],
+        "duty": state["duty"],
+        "paused": state["paused"],
+        "reasons": list(state["reasons"]),
+        "causes": list(state["causes"]),
+        "canary_ms": state["canary_ms"],
+        "baseline_ms": state["baseline_ms"],
+        "signals": state["signals"],
+        "observed_at": iso(state["observed_at"]),
+        "age_seconds": state["age_s"],
+        "observer": state["observer"],
+    }
+
+
+def budget_text(state: dict[str, Any]) -> str:
+    """``2 batch(es) at once, busy 100%``, or ``paused``."""
+    if state["paused"]:
+        return "paused"
+    return f"{state['concurrency']} batch(es) at once, busy {state['duty']:.0%}"
+
+
+def budget_line(state: dict[str, Any] | None, *, enabled: bool = True) -> str:
+    """The budget in one line: its step, why it is there, the canary against its baseline, how old."""
+    if state is None:
+        return "database budget: never observed" + ("" if enabled else " (off for this policy: budget: false)")
+    text = f"database budget: {budget_text(state)} (level {state['level']})"
+    if state["reasons"]:
+        text += f", {'paused' if state['paused'] else 'held'} by: {'; '.join(state['reasons'])}"
+    elif state["causes"]:
+        text += f", lowered by: {', '.join(state['causes'])}"
+    if state["canary_ms"] is not None and state["baseline_ms"] is not None:
+        text += f"; canary {state['canary_ms']:.1f} ms, baseline {state['baseline_ms']:.1f} ms"
+    text += f"; observed {human_seconds(state['age_s'])} ago"
+    return text + ("" if enabled else "; off for this policy (budget: false)")
+
+
+def paused_line(run_key: str | None, paused: dict[str, float]) -> str | None:
+    """The latest run's pauses by reason, most first, or None when it paused for nothing."""
+    if run_key is None or not paused:
+        return None
+    shown = ", ".join(f"{reason} {human_seconds(seconds, precise=True)}" for reason, seconds in paused.items())
+    return f"run {run_key} paused: {shown}"
 
 
 def policy_status(
@@ -107,15 +175,61 @@ def policy_status(
         return PolicyStatus(policy, None, as_of, warnings=mark_failing([*target, warning], [], now))
     runs = load_runs(conn, ledger, policy.name, limit, now)
     missed, covered = find_missed(conn, ledger, policy, as_of)
+    budget, paused_run, paused, slo = budget_and_slo(conn, ledger, policy, runs)
     warnings = [
         *target,
         *plan_failure_alerts(conn, ledger, policy, runs),
         *missed_warnings(policy, missed),
-        *run_warnings(runs, now),
+        *run_warnings(runs, now, held_by=paused_now(budget)),
         *dead_letter_warnings(conn, ledger, runs),
         *deferred_leaves_warning(runs),
+        *slo_alerts(slo),
     ]
-    return PolicyStatus(policy, version, as_of, runs, missed, mark_failing(warnings, runs, now), covered)
+    return PolicyStatus(
+        policy,
+        version,
+        as_of,
+        runs,
+        missed,
+        mark_failing(warnings, runs, now),
+        covered,
+        budget=budget,
+        paused_run_key=paused_run,
+        paused=paused,
+        slo=slo,
+    )
+
+
+def paused_now(budget: dict[str, Any] | None) -> str | None:
+    """Why the database budget pauses every purge now, or None: not paused, or its last observation is too
+    old to hold (no purge is steering by it)."""
+    from airflow_retention.core.running.budget import STALE_MIN_S
+
+    if budget is None or not budget["paused"] or budget["age_s"] is None or budget["age_s"] > STALE_MIN_S:
+        return None
+    return "; ".join(budget["reasons"]) or "a pause signal"
+
+
+def budget_and_slo(
+    conn: Any, ledger: Any, policy: Any, runs: list[RunSummary]
+) -> tuple[dict[str, Any] | None, str | None, dict[str, float], Any | None]:
+    """The budget's state, the latest planned run (its key) and its pauses by reason, and the cleanup SLO.
+    A role not granted the budget's tables (an administrator migrated the ledger) still gets the rest."""
+    from airflow_retention.core.errors import PermanentError
+    from airflow_retention.core.running.slo import cleanup_slo
+
+    planned = [r for r in runs if r.kind != "lone"]
+    latest = max(planned, key=lambda r: r.planned_at, default=None)
+    try:
+        budget = ledger.budget_snapshot(conn)
+        paused = ledger.paused_by_reason(conn, latest.run_key) if latest is not None else {}
+        slo = cleanup_slo(conn, policy, ledger)
+    except PermanentError as exc:
+        if "(SQLSTATE 42501)" not in str(exc):
+            raise
+        log.warning("no privilege on the budget's tables of the ledger %s: budget and SLO not shown", ledger.schema)
+        return None, None, {}, None
+    return budget, latest.run_key if latest is not None else None, paused, slo
 
 
 def database_now(conn: Any) -> datetime:

@@ -392,6 +392,7 @@ class RetentionChunkOperator(OpenLineageFacets, BaseOperator):
             raise fail_fast(exc) from exc
         if not result.already_complete:
             metrics.chunk_done(self.policy, result.seconds)
+            metrics.paused(self.policy, result.paused)
             if result.outcome in ("dropped", "detached"):
                 metrics.partition(self.policy, result.outcome, result.rows_deleted, result.seconds)
         summary = result.summary()

@@ -24,6 +24,7 @@ from airflow_retention.cli.runs import RunSummary, summarize_run
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.policy.model import RetentionPolicy, policy_dag_id
+from airflow_retention.plugins.budget import BudgetView, RunBudget, RunPoint, load_budget, run_points, span_end
 
 # Runs per policy in the chart (and read from the ledger); the table shows the newest RUNS_IN_TABLE of them.
 RUNS_SHOWN = 30
@@ -128,6 +129,15 @@ class PolicyPanel:
     detail: str | None = None
     # The connection's host, user and database: blanked in the messages a non-reader of it sees.
     hidden: tuple[str, ...] = ()
+    # The database budget's state (None: never observed, or a ledger older than its tables), each shown
+    # run's pauses, hold and pressure, and why they could not be read.
+    budget: BudgetView | None = None
+    run_budgets: dict[str, RunBudget] = field(default_factory=dict)
+    budget_error: str | None = None
+    # The cleanup SLO (:class:`~airflow_retention.core.running.slo.CleanupSlo`, as ``status`` computed it):
+    # None when the ledger has no complete run to learn it from (``slo_error`` says so).
+    slo: Any | None = None
+    slo_error: str | None = None
 
     def without_connection_details(self) -> PolicyPanel:
         """The panel as a user who may not read the policy's connection sees it."""
@@ -222,10 +232,20 @@ def _panel(conn: Any, policy: RetentionPolicy, limit: int, as_of: datetime | Non
     from airflow_retention.cli.report import policy_status
 
     try:
-        return PolicyPanel(policy, status=policy_status(conn, policy, limit=limit, as_of=as_of))
+        status = policy_status(conn, policy, limit=limit, as_of=as_of)
     except Exception as exc:  # noqa: BLE001 - e.g. no privilege on the ledger schema: the other policies still show
         error = f"ledger schema {policy.ledger_schema!r} of connection {policy.conn_id!r}"
         return PolicyPanel(policy, error=error, detail=failure_text(exc))
+    panel = PolicyPanel(policy, status=status, slo=status.slo)
+    if status.ledger_version is not None and status.slo is None:
+        panel = dataclasses.replace(panel, slo_error="no complete run in the ledger to learn the cleanup SLO from yet")
+    try:
+        # Holds are judged at the database's now, not at ``as_of`` (the date missed days are counted at).
+        now = database_now(conn)
+        budget, runs = load_budget(conn, policy, status.ledger_version, status.runs, now, status.budget)
+        return dataclasses.replace(panel, budget=budget, run_budgets=runs)
+    except Exception as exc:  # noqa: BLE001 - the runs still show without the budget's side of them
+        return dataclasses.replace(panel, budget_error=failure_text(exc))
 
 
 @dataclass(frozen=True)
@@ -245,6 +265,8 @@ class ChunkView:
     last_batch_at: datetime | None
     completed_at: datetime | None
     last_error: str | None
+    # Seconds paused or kept waiting, by reason (``chunks.paused``; empty before ledger version 8).
+    paused: dict[str, float] = field(default_factory=dict)
 
 
 def chunk_view(row: dict[str, Any]) -> ChunkView:
@@ -274,6 +296,7 @@ def chunk_view(row: dict[str, Any]) -> ChunkView:
         last_batch_at=row["last_batch_at"],
         completed_at=row["completed_at"],
         last_error=row["last_error"],
+        paused={k: float(v) for k, v in (row.get("paused") or {}).items() if v},
     )
 
 
@@ -284,6 +307,13 @@ class RunDetail:
     policy: RetentionPolicy
     summary: RunSummary
     chunks: list[ChunkView]
+    # The run's pauses and hold, and the budget's observations over its span (the chart); None before
+    # ledger version 8.
+    budget: RunBudget | None = None
+    points: list[RunPoint] = field(default_factory=list)
+    state: BudgetView | None = None
+    # Where the run's span ends (verified, now while it runs, else its last batch): the chart's right edge.
+    span_end: datetime | None = None
 
 
 def load_run(policy: RetentionPolicy, run_key: str, *, dsn: str | None = None) -> RunDetail | None:
@@ -297,5 +327,11 @@ def load_run(policy: RetentionPolicy, run_key: str, *, dsn: str | None = None) -
         if run is None or run["policy"] != policy.name:
             return None
         rows = ledger.chunk_rows(conn, run_key)
-        summary = summarize_run(run, rows, database_now(conn))
-    return RunDetail(policy, summary, [chunk_view(r) for r in rows])
+        now = database_now(conn)
+        summary = summarize_run(run, rows, now)
+        version = ledger.version(conn)
+        state = ledger.budget_snapshot(conn)
+        budget, runs = load_budget(conn, policy, version, [summary], now, state)
+        end = span_end(summary, now)
+        points = run_points(conn, ledger, summary.planned_at, end) if runs else []
+    return RunDetail(policy, summary, [chunk_view(r) for r in rows], runs.get(run_key), points, budget, end)

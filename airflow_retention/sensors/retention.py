@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
 
+from airflow_retention import metrics
 from airflow_retention.compat import AirflowFailException, AirflowSensorTimeout
 from airflow_retention.core.errors import RetryableError
 from airflow_retention.core.ledger.inflight import chunks_still_writing
@@ -18,6 +19,7 @@ from airflow_retention.core.ledger.records import ChunkSpec
 from airflow_retention.core.planning.cutoff import format_cutoff, parse_cutoff
 from airflow_retention.core.policy.loading import policy_to_dict
 from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.slo import cleanup_slo
 from airflow_retention.core.running.verify import (
     LAG_AT_VERIFY_TIMEOUT_MS,
     lag_left_to_next_run,
@@ -209,6 +211,7 @@ class RetentionCompleteSensor(BaseSensorOperator):
         self.log.log(level, "run %s: %s; %.1f s since planning", run_key, outcome, duration)
         self._report_leftovers(context, run)
         self._report_missed_runs(context)
+        self._report_slo()
         return {
             "run_key": run_key,
             "cutoff": cutoff,
@@ -302,6 +305,27 @@ class RetentionCompleteSensor(BaseSensorOperator):
                 days.covered[0].anchor.strftime("%Y-%m-%d"),
                 days.covered[-1].anchor.strftime("%Y-%m-%d"),
             )
+
+    def _report_slo(self) -> None:
+        """The cleanup SLO as the ledger's history tells it now that this run is complete (after its cleanup
+        lag: the backlog is fresh), in one line, and its warnings (at risk, an exhausted database budget) at
+        WARNING; the budget's state and the SLO as metrics."""
+        try:
+            with self.hook.open_connection() as conn:
+                slo = cleanup_slo(conn, self.policy, self.hook.ledger)
+                state = self.hook.ledger.budget_snapshot(conn)
+        except Exception:
+            self.log.warning("could not compute the cleanup SLO of policy %s", self.policy.name, exc_info=True)
+            return
+        if state is not None:
+            metrics.budget(self.policy, concurrency=state["concurrency"], duty=state["duty"], paused=state["paused"])
+        if slo is None:
+            return
+        metrics.slo(self.policy, slo)
+        self.log.log(logging.WARNING if slo.warnings else logging.INFO, "policy %s: %s", self.policy.name,
+                     slo.describe())  # fmt: skip
+        for warning in slo.warnings:
+            self.log.warning("policy %s: %s", self.policy.name, warning)
 
     def _chunks_in_flight(self, context: Context) -> bool:
         ti = context["ti"]

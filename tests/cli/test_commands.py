@@ -12,6 +12,7 @@ from typing import Any
 import psycopg2
 import pytest
 
+from airflow_retention.cli.alerts import FAILING_KINDS
 from airflow_retention.cli.runs import progress_of
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.schema import SCHEMA_VERSION
@@ -327,6 +328,27 @@ def test_missed_runs_and_stuck_runs_are_warned(capsys: Any, setup: dict[str, Any
     kinds = [w["kind"] for w in data["policies"][0]["warnings"]]
     assert kinds == ["missed_run", "stuck"]
 
+    # The database budget pauses every purge now (a standby's replay lag): the same run is held on purpose,
+    # a warning naming why (one the latest run would not fail on: FAILING_KINDS).
+    rows(
+        admin,
+        f'INSERT INTO "{policy.ledger_schema}".budget_state (scope, level, concurrency, duty, paused, reasons,'
+        " observed_at) VALUES ('database', 5, 1, 1.0, true, ARRAY['replica_lag 45000ms > 30000ms'], clock_timestamp())"
+        " ON CONFLICT (scope) DO UPDATE SET paused = true, reasons = EXCLUDED.reasons, observed_at = clock_timestamp()",
+    )
+    data = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "--json", "status", "--as-of", "2024-07-06").json()
+    held = data["policies"][0]
+    assert [w["kind"] for w in held["warnings"]] == ["missed_run", "throttled"]
+    assert "the database budget is paused (replica_lag 45000ms > 30000ms)" in held["warnings"][1]["message"]
+    assert "throttled" not in FAILING_KINDS
+    # A pause nobody observed for over a minute holds nothing: stuck again.
+    rows(
+        admin,
+        f"UPDATE \"{policy.ledger_schema}\".budget_state SET observed_at = clock_timestamp() - interval '5 min'",
+    )
+    data = run_cli(capsys, "--policies", str(path), "--dsn", DSN, "--json", "status", "--as-of", "2024-07-06").json()
+    assert [w["kind"] for w in data["policies"][0]["warnings"]] == ["missed_run", "stuck"]
+
 
 def test_init_ledger_creates_then_reports_up_to_date(capsys: Any, schema: str, admin: Any) -> None:
     ledger_schema = f"{schema}_ledger"
@@ -616,3 +638,86 @@ def test_plan_verify_and_status_say_which_leaves_a_run_left_past_the_chunk_budge
     assert run["status"] == "complete, 2 leaf partition(s) not covered"
     assert run["leaves_deferred"] == [f"{schema}.t_h2", f"{schema}.t_h3"]
     assert [w["kind"] for w in entry["warnings"]] == ["leaves_deferred"] and entry["failing"] == []
+
+
+def test_status_shows_the_budget_the_pauses_per_reason_and_the_cleanup_slo(
+    capsys: Any, setup: dict[str, Any], conn: Any, admin: Any, schema: str, tmp_path: Path
+) -> None:
+    """Beside the runs: the database budget's state, the latest run's pauses by reason and the cleanup SLO,
+    in text and in --json; the SLO's warnings (at risk, exhausted budget) are warnings, not failures."""
+    # A duty cycle of a half: every batch rests as long as it ran, recorded as paused for max_duty_cycle.
+    path = write_policies(tmp_path / "duty.yaml", policy_data(schema, chunk_rows=300, max_duty_cycle=0.5))
+    args = ["--policies", str(path), "--dsn", DSN]
+    policy = make_policy(schema, chunk_rows=300, max_duty_cycle=0.5)
+    ledger = Ledger(policy.ledger_schema)
+    plan = plan_run(conn, policy, CUTOFF)
+    for chunk in plan.chunks:
+        run_chunk(conn, policy, CUTOFF, chunk)
+    ledger.complete_run(conn, plan.run_key, "test")
+    measure_leftovers(conn, policy, CUTOFF, ledger=ledger, run_key=plan.run_key)
+    s = f'"{policy.ledger_schema}"'
+    paused = {
+        reason: float(seconds)
+        for reason, seconds in rows(
+            admin,
+            f"SELECT d.key, sum(d.value::float8) FROM {s}.chunks c, jsonb_each_text(c.paused) d"
+            " WHERE c.run_key = %(k)s GROUP BY d.key",
+            {"k": plan.run_key},
+        )
+    }
+    assert paused.get("max_duty_cycle", 0) > 0, paused
+    ((concurrency, duty, level),) = rows(admin, f"SELECT concurrency, duty, level FROM {s}.budget_state")
+
+    status = run_cli(capsys, *args, "status", "--as-of", "2024-07-01T12:00:00Z")
+    assert status.code == 0, status.err
+    text = " ".join(status.out.split())
+    assert f"database budget: {concurrency} batch(es) at once, busy {duty:.0%} (level {level})" in text, text
+    assert f"run {plan.run_key} paused: max_duty_cycle" in text
+    assert f"cleanup SLO: λ {setup['eligible']:,} rows/day" in text and "keeps up" in text
+    assert "warning:" not in text
+    data = run_cli(capsys, *args, "--json", "status", "--as-of", "2024-07-01T12:00:00Z").json()
+    (entry,) = data["policies"]
+    assert entry["budget"]["observed"] is True and entry["budget"]["enabled"] is True
+    assert (entry["budget"]["concurrency"], entry["budget"]["duty"], entry["budget"]["level"]) == (
+        concurrency,
+        duty,
+        level,
+    )
+    assert entry["budget"]["state"] == f"{concurrency} batch(es) at once, busy {duty:.0%}"
+    assert entry["paused_seconds"]["run_key"] == plan.run_key
+    assert entry["paused_seconds"]["by_reason"] == pytest.approx(paused, abs=1e-3)
+    slo = entry["slo"]
+    assert slo["keeps_up"] is True and slo["warnings"] == [] and slo["runs"] == 1
+    assert slo["lambda_rows_per_day"] == setup["eligible"] and slo["backlog_rows"] == 0
+    assert slo["concurrency"] <= 0.5 and slo["mu_rows_per_s"] > 0
+
+    # The budget paused on a standby's lag, held at its floor through the run, and a backlog no window holds.
+    rows(
+        admin,
+        f"UPDATE {s}.budget_state SET paused = true, reasons = ARRAY['replica_lag 40000ms > 30000ms'],"
+        " causes = ARRAY['replica_lag']",
+    )
+    rows(
+        admin,
+        f"UPDATE {s}.budget_observations SET level = 0, duty = 0.1,"
+        " reasons = ARRAY['canary_latency 9.0 ms > 3.0 ms (baseline 1.0 ms)']",
+    )
+    rows(admin, f"UPDATE {s}.runs SET eligible_left = 1000000000000 WHERE run_key = %(k)s", {"k": plan.run_key})
+    status = run_cli(capsys, *args, "status", "--as-of", "2024-07-01T12:00:00Z")
+    assert status.code == 0, status.err  # warnings, not failures
+    text = " ".join(status.out.split())
+    assert f"database budget: paused (level {level}), paused by: replica_lag 40000ms > 30000ms" in text, text
+    assert "warning: cleanup SLO at risk: c*mu = " in text
+    assert "plus a backlog of 1,000,000,000,000 row(s) within the cleanup window 1 day" in text
+    # The policy's own duty cycle is no reason of the budget's.
+    assert (
+        "warning: exhausted database budget: held at its floor for 100% of the last run (reasons: canary_latency)"
+        in text
+    )
+    assert "failing:" not in text
+    data = run_cli(capsys, *args, "--json", "status", "--as-of", "2024-07-01T12:00:00Z").json()
+    (entry,) = data["policies"]
+    assert {w["kind"] for w in entry["warnings"]} == {"slo_at_risk", "budget_exhausted"}
+    assert entry["failing"] == [] and data["failing"] is False
+    assert entry["budget"]["paused"] is True and entry["budget"]["causes"] == ["replica_lag"]
+    assert entry["slo"]["keeps_up"] is False and entry["slo"]["floor_share"] == 1.0

@@ -71,6 +71,7 @@ def script(demo: dict[str, Any], *argv: str) -> subprocess.CompletedProcess[str]
     )
 
 
+@pytest.mark.solo
 def test_help_is_fast_and_does_not_import_airflow() -> None:
     assert SCRIPT.is_file(), f"{SCRIPT} missing: pip install -e . installs the console script"
     started = time.perf_counter()

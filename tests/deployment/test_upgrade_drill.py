@@ -379,7 +379,7 @@ def test_a_run_started_by_0_1_0_finishes_under_0_2_0(
     assert v["batches"] > at_stop[victim["chunk_key"]]["batches"]  # after its committed batches
 
     # -- the ledger migrated, by 0.2.0's first task; the chunks 0.1.0 planned and never started ran under 0.2.0
-    assert ledger.version(target) == SCHEMA_VERSION == 7
+    assert ledger.version(target) == SCHEMA_VERSION == 8
     assert (
         one(
             target,

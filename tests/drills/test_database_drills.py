@@ -105,6 +105,7 @@ def test_session_terminated_mid_batch_applies_nothing_and_the_retry_completes(
     assert eligible_ids(admin, table) == []
 
 
+@pytest.mark.solo
 def test_foreground_inserts_and_updates_keep_working_during_a_purge(
     schema: str, conn: Any, admin: Any, driver: str
 ) -> None:

@@ -29,7 +29,7 @@ from airflow_retention.core.policy.model import RetentionPolicy
 from tests.conftest import DSN, REPO, throwaway_database
 from tests.deployment.harness import Deployment
 
-from .helpers import Seeded, seed_runs, view_policy_data
+from .helpers import Seeded, seed_budget_pressure, seed_runs, view_policy_data
 from .limited_auth import GRANTS_ENV
 
 SCHEMA = "shop"
@@ -119,7 +119,8 @@ def view_admin(view_target: str) -> Iterator[Any]:
 
 @pytest.fixture(scope="package")
 def view_seeded(view_target: str, view_admin: Any) -> Seeded:
-    """Runs of the last five days (today's anchor minus 5 .. minus 2; minus 4 left running)."""
+    """Runs of the last five days (today's anchor minus 5 .. minus 2; minus 4 left running), and the
+    database budget's pressure around them."""
     today = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     first = today - timedelta(days=5)
     policy = RetentionPolicy.from_dict(view_policy_data(SCHEMA, "retention_target", first))
@@ -131,6 +132,9 @@ def view_seeded(view_target: str, view_admin: Any) -> Seeded:
         # The run stopped on a chunk error becomes the one planned last, with no batch for half an hour:
         # events_purge is failing.
         stopped(view_admin, policy.ledger_schema, seeded.partial)
+        # The budget paused for a standby's lag since that run's last batch (throttled, not stuck), and
+        # the last complete run held at the budget's floor (the SLO's exhausted budget).
+        seed_budget_pressure(view_admin, policy.ledger_schema, seeded.partial, seeded.complete[-1])
         stalled = RetentionPolicy.from_dict(view_policy_data(SCHEMA, "retention_target", first, name="stalled"))
         key = run_key(stalled, freeze_cutoff(stalled, today))
         by = f"retention_stalled/scheduled__{today:%Y-%m-%dT%H:%M:%S}+00:00/-1/try 3"

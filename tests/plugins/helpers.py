@@ -28,9 +28,26 @@ CHUNK_ERROR = "lock timeout (SQLSTATE 55P03): canceling statement due to lock ti
 CREATED = "%(cutoff)s::timestamptz + (mod(g * 37, 120) - 48) * interval '1 hour'"
 
 
+# The pause reason and the signal the seeded budget is paused for (rows written directly: the engine would
+# need a standby for it).
+PAUSE_CAUSE = "replica_lag"
+PAUSE_REASON = "replica_lag 45000ms > 30000ms"
+
+
 def view_policy_data(schema: str, conn_id: str, start: datetime, name: str = "events_purge") -> dict[str, Any]:
-    """A daily policy on ``schema.events`` (chunks of 100 rows) starting at ``start``."""
-    return policy_data(schema, name=name, conn_id=conn_id, chunk_rows=100, batch_size=100, start_date=start.isoformat())
+    """A daily policy on ``schema.events`` (chunks of 100 rows) starting at ``start``; its budget observes
+    every 100 ms and its own duty cycle is half, so that the engine's runs leave observations and pauses
+    (``max_duty_cycle``) in the ledger."""
+    return policy_data(
+        schema,
+        name=name,
+        conn_id=conn_id,
+        chunk_rows=100,
+        batch_size=100,
+        start_date=start.isoformat(),
+        max_duty_cycle=0.5,
+        budget={"period": "100ms"},
+    )
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,56 @@ def seed_runs(admin: Any, conn: Any, schema: str, policy: RetentionPolicy, first
         measure_leftovers(conn, policy, cutoffs[day], ledger=ledger, run_key=plan.run_key)
         complete.append(plan.run_key)
     return Seeded(policy, anchors, complete, partial, failing)
+
+
+def seed_budget_pressure(admin: Any, ledger_schema: str, held_run: str, floor_run: str | None = None) -> None:
+    """What the engine cannot produce in a test's seconds: the budget paused now for :data:`PAUSE_REASON`,
+    with five paused observations between ``held_run``'s last batch and now (so it is throttled, not
+    stuck); and with
+    ``floor_run``, observations at the ladder's floor over most of that run's span (an exhausted budget)."""
+    s = f'"{ledger_schema}"'
+    signals = '{"replica_lag": {"value": 45000, "limit": 30000, "effect": "pause", "error": null}}'
+    with admin.cursor() as cur:
+        cur.execute(
+            f"UPDATE {s}.budget_state SET paused = true, reasons = %(r)s, causes = %(c)s, signals = %(sig)s::jsonb,"
+            " observed_at = clock_timestamp() WHERE scope = 'database'",
+            {"r": [PAUSE_REASON], "c": [PAUSE_CAUSE], "sig": signals},
+        )
+        assert cur.rowcount == 1, "the engine's runs should have created the budget's state"
+        cur.execute(
+            f"INSERT INTO {s}.budget_observations (at, scope, level, concurrency, duty, paused, move, canary_ms,"
+            " baseline_ms, slots_busy, signals, reasons, observer)"
+            " SELECT b.since + (clock_timestamp() - b.since) * g / 6.0, 'database', 5, 1,"
+            " 1.0, true, 'pause', 9.0, 3.0, 0, %(sig)s::jsonb, %(r)s, 'seed'"
+            f" FROM (SELECT greatest(max(c.last_batch_at), r.planned_at) AS since FROM {s}.runs r"
+            f" JOIN {s}.chunks c USING (run_key) WHERE r.run_key = %(k)s GROUP BY r.planned_at) b,"
+            " generate_series(1, 5) g",
+            {"sig": signals, "r": [PAUSE_REASON], "k": held_run},
+        )
+        assert cur.rowcount == 5
+        if floor_run is not None:
+            # Twenty observations at the floor (level 0) spread over the run's span: more than the engine's.
+            cur.execute(
+                f"INSERT INTO {s}.budget_observations (at, scope, level, concurrency, duty, paused, move, canary_ms,"
+                " baseline_ms, slots_busy, signals, reasons, observer)"
+                " SELECT r.planned_at + (r.completed_at - r.planned_at) * g / 21.0, 'database', 0, 1, 0.1, false,"
+                " 'down', 12.0, 3.0, 1, '{}'::jsonb, ARRAY['canary_latency 12.0 ms > 6.0 ms (baseline 3.0 ms)'],"
+                f" 'seed' FROM {s}.runs r, generate_series(1, 20) g WHERE r.run_key = %(k)s",
+                {"k": floor_run},
+            )
+            assert cur.rowcount == 20
+
+
+def ledger_pauses(admin: Any, ledger_schema: str) -> dict[str, dict[str, float]]:
+    """Seconds paused per reason of each run, summed here in Python from the chunks' raw ``paused``."""
+    with admin.cursor() as cur:
+        cur.execute(f'SELECT run_key, paused FROM "{ledger_schema}".chunks')
+        out: dict[str, dict[str, float]] = {}
+        for key, paused in cur.fetchall():
+            for reason, seconds in paused.items():
+                run = out.setdefault(key, {})
+                run[reason] = run.get(reason, 0.0) + float(seconds)
+        return out
 
 
 def ledger_runs(admin: Any, schema: str) -> dict[str, dict[str, Any]]:
@@ -141,7 +208,7 @@ class ViewReader(HTMLParser):
 
     def handle_endtag(self, tag: str) -> None:
         text = " ".join("".join(self._text).split())
-        if tag in ("td", "pre", "p", "dd") and self._field is not None:
+        if tag in ("td", "pre", "p", "dd", "li") and self._field is not None:
             if self._row is not None and tag == "td":
                 self.rows[self._row].setdefault(self._field, text)
             else:

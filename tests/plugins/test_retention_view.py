@@ -19,6 +19,7 @@ from tests.deployment.harness import Deployment, budget
 from .conftest import BROKEN_CONN, LIMITED_DAGS, PLAN_ERROR
 from .helpers import (
     CHUNK_ERROR,
+    PAUSE_REASON,
     Seeded,
     ViewReader,
     connection_details,
@@ -153,6 +154,21 @@ def test_the_view_in_the_ui_shows_the_ledger(view_deployment: Deployment, view_s
             ]
             (stalled,) = failing(frame, "stalled")
             assert stalled.startswith("run stalled@") and "its plan failed at" in stalled and PLAN_ERROR in stalled
+
+            # The database budget: its state and why, the stopped run throttled on purpose (not stuck) for
+            # that reason, each run's pauses by reason, and the SLO's warning of an exhausted budget.
+            budget = events.locator('[data-field="budget"]')
+            assert budget.get_attribute("data-value") == "paused" and budget.inner_text().startswith("paused ·")
+            assert events.locator('[data-field="budget_reason"]').all_inner_texts() == [PAUSE_REASON]
+            assert view.rows[view_seeded.partial]["hold"] == "throttled"
+            hold = partial_row.locator('[data-field="hold"]').inner_text()
+            assert hold.startswith("throttled on purpose") and PAUSE_REASON in hold, hold
+            for key in view_seeded.complete:
+                paused = frame.locator(f'tr[data-run-key="{key}"] [data-field="paused"]').inner_text()
+                assert "max_duty_cycle " in paused, (key, paused)  # the engine rested at the half duty
+            (slo_warning,) = events.locator('[data-field="slo_warning"]').all_inner_texts()
+            assert slo_warning.startswith("exhausted database budget: held at its floor for"), slo_warning
+            assert events.locator("svg.chart rect.allowed").count() == 4  # the pressure under each run
             page.screenshot(path=str(ARTIFACTS / "retention-view.png"), full_page=True)
 
             # One run's chunks, from its cutoff's link.
@@ -169,6 +185,10 @@ def test_the_view_in_the_ui_shows_the_ledger(view_deployment: Deployment, view_s
                 ), key
             assert run_view.rows[view_seeded.failing_chunk]["last_error"] == CHUNK_ERROR
             assert "/plugin/retention/" in page.url  # the UI keeps the frame's page in its own address
+            # The budget's observations over the run, paused ones shaded, beside its cleanup lag.
+            assert frame.locator("svg.run-chart rect.paused").count() >= 1
+            lag = frame.locator('svg.run-chart [data-chart="lag"]').text_content() or ""
+            assert lag.startswith("cleanup lag 1 d"), lag
             page.screenshot(path=str(ARTIFACTS / "retention-view-run.png"), full_page=True)
             frame.get_by_role("link", name="← all policies").click()
             read_frame(frame, "tr[data-run-key]", 4)

@@ -4,6 +4,7 @@ and the view's sessions cannot write."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -12,14 +13,28 @@ from typing import Any
 import psycopg2
 import pytest
 
+from airflow_retention.cli.config import target_for
+from airflow_retention.cli.render import lag_text
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.postgres import airflow_connection_json
+from airflow_retention.plugins.budget import STUCK, THROTTLED
 from airflow_retention.plugins.data import PolicySet, ledger_session, load_panels, load_run
 from airflow_retention.plugins.render import overview_page, run_page
 
 from ..conftest import DSN
 from .conftest import stopped
-from .helpers import CHUNK_ERROR, Seeded, ViewReader, ledger_chunks, ledger_runs, seed_runs, view_policy_data
+from .helpers import (
+    CHUNK_ERROR,
+    PAUSE_REASON,
+    Seeded,
+    ViewReader,
+    ledger_chunks,
+    ledger_pauses,
+    ledger_runs,
+    seed_budget_pressure,
+    seed_runs,
+    view_policy_data,
+)
 
 FIRST_ANCHOR = datetime(2024, 7, 1, tzinfo=timezone.utc)
 AS_OF = datetime(2024, 7, 6, 0, 30, tzinfo=timezone.utc)  # the 5th's run is due and missing
@@ -163,8 +178,6 @@ def test_an_unknown_run_or_another_policys_run_is_not_found(seeded: Seeded, sche
 
 
 def test_the_views_sessions_cannot_write(seeded: Seeded) -> None:
-    from airflow_retention.cli.config import target_for
-
     with ledger_session(target_for(seeded.policy, None)) as conn:
         with conn.cursor() as cur, pytest.raises(psycopg2.errors.ReadOnlySqlTransaction):
             cur.execute(f'DELETE FROM "{seeded.policy.ledger_schema}".runs')
@@ -246,3 +259,172 @@ def test_a_reader_of_the_dag_but_not_of_the_connection_sees_no_database_or_role_
     (shown,) = [t for t in ViewReader(page).texts["failing"] if "its plan failed" in t]
     assert 'permission denied for database …: role "…" may not create schemas' in shown
     assert database not in shown and role not in shown
+
+
+def _chart_values(html: str, css: str, attribute: str) -> dict[str, float]:
+    """Per run key, ``attribute`` of the chart's elements of class ``css``."""
+    found = re.findall(rf'class="{css}"[^>]*data-run-key="([^"]+)"[^>]*{attribute}="([^"]+)"', html)
+    return {key: float(value) for key, value in found}
+
+
+def _observations(admin: Any, ledger_schema: str, run_key: str) -> tuple[int, int]:
+    """The budget's observations over a complete run's span (planned to verified): all, and at the floor
+    or paused; counted with the test's own SQL."""
+    with admin.cursor() as cur:
+        cur.execute(
+            f'SELECT count(*), count(*) FILTER (WHERE o.paused OR o.level = 0) FROM "{ledger_schema}".runs r'
+            f' JOIN "{ledger_schema}".budget_observations o ON o.at BETWEEN r.planned_at AND r.completed_at'
+            " WHERE r.run_key = %s",
+            (run_key,),
+        )
+        n, floor = cur.fetchone()
+        return int(n), int(floor)
+
+
+def test_the_budget_its_pauses_and_the_pressure_of_each_run_are_the_ledgers(seeded: Seeded, admin: Any) -> None:
+    """The engine's runs left observations and pauses (their own duty cycle); rows written here add what
+    it cannot produce in seconds: the budget paused for a standby's lag, and a run held at its floor."""
+    policy = seeded.policy
+    floor_run = seeded.complete[-1]
+    seed_budget_pressure(admin, policy.ledger_schema, seeded.partial, floor_run)
+    (panel,) = load_panels([policy], as_of=AS_OF)
+    assert panel.budget_error is None and panel.budget is not None
+    assert panel.budget.paused and panel.budget.live and panel.budget.reasons == (PAUSE_REASON,)
+    assert panel.budget.describe() == "paused"
+
+    # Seconds paused per reason: the chunks' own, summed (the engine rested after each batch at half duty).
+    pauses = ledger_pauses(admin, policy.ledger_schema)
+    assert all(pauses.get(k, {}).get("max_duty_cycle", 0) > 0 for k in seeded.complete), pauses
+    for key, run in panel.run_budgets.items():
+        assert run.paused_s == pytest.approx(pauses.get(key, {})), key
+    # The pressure of each complete run: every observation of its span, counted by the test's SQL.
+    for key in seeded.complete:
+        n, floor = _observations(admin, policy.ledger_schema, key)
+        pressure = panel.run_budgets[key].pressure
+        assert pressure is not None and pressure.observations == n > 0, key
+        assert pressure.floor_share == pytest.approx(floor / n), key
+    assert panel.run_budgets[floor_run].pressure.floor_share > 0.5
+    # The latest run with a chunk error stopped, but the budget is paused now: throttled, not stuck.
+    assert [k for k, r in panel.run_budgets.items() if r.hold] == [seeded.partial]
+    assert panel.run_budgets[seeded.partial].hold == THROTTLED
+
+    html = overview_page(PolicySet(SOURCE, [policy]), [panel], AS_OF)
+    view = ViewReader(html)
+    (budget,) = view.texts["budget"]
+    assert budget.startswith("paused ·") and "purges steer by it now" in budget
+    assert view.texts["budget_reason"] == [PAUSE_REASON]
+    for key in view.rows:
+        shown = view.rows[key]
+        total = sum(pauses.get(key, {}).values())
+        assert float(shown["paused"]) == pytest.approx(total), key
+        assert shown["hold"] == (THROTTLED if key == seeded.partial else ""), key
+    # The chart puts each run's pressure under its cleanup lag: the share allowed and the canary's p90.
+    allowed = _chart_values(html, "allowed", "data-allowed")
+    assert set(allowed) == set(view.rows)
+    for key, value in allowed.items():
+        assert value == pytest.approx(panel.run_budgets[key].pressure.allowed_mean, rel=1e-4), key
+    assert set(_chart_values(html, "canary-point", "data-canary-ratio")) == set(view.rows)
+    assert set(_chart_values(html, "lag-point", "data-lag")) == set(view.lag_points)
+    # The SLO: the budget held the last complete run at its floor most of the time; its warning is shown
+    # once, under the SLO, with the status's words.
+    assert panel.slo is not None and panel.slo.floor_share > 0.5
+    (warning,) = view.texts["slo_warning"]
+    assert warning.startswith("exhausted database budget: held at its floor for")
+    assert html.count("exhausted database budget") == 1
+
+
+def test_a_run_without_batches_is_stuck_unless_the_budget_paused_it(seeded: Seeded, admin: Any) -> None:
+    """No batch for two hours and no pause recorded since: stuck. A pause the budget recorded since its last
+    batch (the budget's observations) or the budget paused now: throttled on purpose."""
+    policy, ledger = seeded.policy, f'"{seeded.policy.ledger_schema}"'
+    with admin.cursor() as cur:
+        cur.execute(
+            f"UPDATE {ledger}.runs SET planned_at = now() - interval '3 hours' WHERE run_key = %s", (seeded.partial,)
+        )
+        cur.execute(
+            f"UPDATE {ledger}.chunks SET last_batch_at = now() - interval '2 hours'"
+            " WHERE run_key = %s AND last_batch_at IS NOT NULL",
+            (seeded.partial,),
+        )
+
+    def hold() -> tuple[str, str, str]:
+        (panel,) = load_panels([policy], as_of=AS_OF)
+        run = panel.run_budgets[seeded.partial]
+        shown = ViewReader(overview_page(PolicySet(SOURCE, [policy]), [panel], AS_OF)).rows[seeded.partial]
+        assert shown["hold"] == (run.hold or "")
+        return run.hold or "", run.hold_text, shown["state"]
+
+    state, text, shown_state = hold()
+    assert state == STUCK and shown_state == "planned"
+    assert text.startswith("stuck: no batch for 2 h") and "no pause recorded since" in text
+    # The budget paused the purges after its last batch (and is not paused any more): held on purpose.
+    with admin.cursor() as cur:
+        cur.execute(
+            f"INSERT INTO {ledger}.budget_observations (at, scope, level, concurrency, duty, paused, move,"
+            " signals, reasons) VALUES (now() - interval '1 hour', 'database', 5, 1, 1.0, true, 'pause', '{}',"
+            " %s)",
+            ([PAUSE_REASON],),
+        )
+    state, text, _ = hold()
+    assert state == THROTTLED
+    assert text == f"throttled on purpose: the database budget paused the purges: {PAUSE_REASON}; no batch for 2 h"
+    # Without that observation but with the budget paused now: throttled too.
+    with admin.cursor() as cur:
+        cur.execute(f"DELETE FROM {ledger}.budget_observations WHERE paused")
+        cur.execute(
+            f"UPDATE {ledger}.budget_state SET paused = true, reasons = %s, observed_at = clock_timestamp()",
+            (["lock_waiters 3 > 0"],),
+        )
+    state, text, _ = hold()
+    assert state == THROTTLED and "is paused: lock_waiters 3 > 0" in text
+    # The same state left by a purge long gone steers nothing: stuck again.
+    with admin.cursor() as cur:
+        cur.execute(f"UPDATE {ledger}.budget_state SET observed_at = now() - interval '90 minutes'")
+    assert hold()[0] == STUCK
+
+
+def test_the_run_page_charts_the_budgets_observations_beside_the_cleanup_lag(seeded: Seeded, admin: Any) -> None:
+    policy = seeded.policy
+    seed_budget_pressure(admin, policy.ledger_schema, seeded.partial)
+    detail = load_run(policy, seeded.partial)
+    assert detail is not None and detail.budget is not None and detail.state is not None
+    assert detail.budget.hold == THROTTLED
+    with admin.cursor() as cur:
+        cur.execute(
+            f'SELECT count(*) FILTER (WHERE paused), count(*) FROM "{policy.ledger_schema}".budget_observations'
+            f' WHERE at >= (SELECT planned_at FROM "{policy.ledger_schema}".runs WHERE run_key = %s)',
+            (seeded.partial,),
+        )
+        paused, total = cur.fetchone()
+    assert paused == 5 and 1 <= len(detail.points) <= total
+    # The five paused observations are spread from its last batch to now: each its own point of the chart.
+    assert sum(p.paused for p in detail.points) == 5
+    html = run_page(detail)
+    assert 'data-paused-points="5"' in html and html.count('class="paused"') == 5
+    assert f"cleanup lag {lag_text(detail.summary)}</text>" in html
+    view = ViewReader(html)
+    assert view.texts["paused"] == [detail.budget.paused_text()]
+    assert view.texts["held"][0].startswith("throttled on purpose")
+    # Each chunk's pauses as its ledger row has them.
+    with admin.cursor() as cur:
+        cur.execute(
+            f'SELECT chunk_key, paused FROM "{policy.ledger_schema}".chunks WHERE run_key = %s', (seeded.partial,)
+        )
+        raw = dict(cur.fetchall())
+    for key, paused_by in raw.items():
+        assert float(view.rows[key]["paused"]) == pytest.approx(sum(paused_by.values())), key
+    assert any(raw.values())
+    # A long run's observations are averaged into a bounded number of points.
+    from airflow_retention.core.ledger.ledger import Ledger
+    from airflow_retention.plugins.budget import run_points
+
+    with ledger_session(target_for(policy, None)) as conn:
+        few = run_points(conn, Ledger(policy.ledger_schema), detail.summary.planned_at, datetime.now(timezone.utc), 3)
+    assert 1 <= len(few) <= 3 and any(p.paused for p in few)
+
+
+def test_a_policy_with_the_budget_off_says_so(seeded: Seeded, schema: str) -> None:
+    off = RetentionPolicy.from_dict({**view_policy_data(schema, "view_ok", FIRST_ANCHOR), "budget": False})
+    (panel,) = load_panels([off], as_of=AS_OF)
+    view = ViewReader(overview_page(PolicySet(SOURCE, [off]), [panel], AS_OF))
+    assert view.texts["budget"] == ["Off for this policy (budget: false)."]

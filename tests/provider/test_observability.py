@@ -108,6 +108,33 @@ def test_a_run_sends_its_metrics_through_airflow_stats(target: Any, statsd: sock
     assert sum(v for v, _ in chunks) == run["chunks_expected"]
     assert metrics["airflow.retention.cleanup_lag_seconds.t_orders"] == [(0.0, "g")]
     assert metrics["airflow.retention.eligible_left.t_orders"] == [(0.0, "g")]
+    # The database budget as the verify task found it, and the cleanup SLO it logged: one daily run that left
+    # nothing, so λ is its rows per day and it keeps up.
+    ((concurrency, duty, paused),) = query(
+        target, f'SELECT concurrency, duty, paused FROM "{policy("t_orders").ledger_schema}".budget_state'
+    )
+    assert metrics["airflow.retention.budget_concurrency.t_orders"] == [(float(concurrency), "g")]
+    assert metrics["airflow.retention.budget_duty.t_orders"] == [(float(duty), "g")]
+    assert metrics["airflow.retention.budget_paused.t_orders"] == [(1.0 if paused else 0.0, "g")]
+    assert metrics["airflow.retention.slo_keeps_up.t_orders"] == [(1.0, "g")]
+    assert metrics["airflow.retention.slo_lambda_rows_per_day.t_orders"] == [(float(run["rows_deleted"]), "g")]
+    (floor,) = metrics["airflow.retention.budget_floor_share.t_orders"]
+    assert 0 <= floor[0] <= 1 and floor[1] == "g"
+    # Pauses per reason: what the chunks recorded in the ledger, in milliseconds (each chunk's rounded).
+    by_reason = dict(
+        query(
+            target,
+            f'SELECT d.key, sum(d.value::float8) FROM "{policy("t_orders").ledger_schema}".chunks c,'
+            " jsonb_each_text(c.paused) d WHERE c.run_key = %(k)s GROUP BY d.key",
+            {"k": run["run_key"]},
+        )
+    )
+    prefix = "airflow.retention.paused_ms_"
+    sent = {n[len(prefix) : -len(".t_orders")]: values for n, values in metrics.items() if n.startswith(prefix)}
+    assert set(sent) == {reason for reason, seconds in by_reason.items() if seconds >= 0.0005}
+    for reason, values in sent.items():
+        assert {k for _, k in values} == {"c"}
+        assert sum(v for v, _ in values) == pytest.approx(by_reason[reason] * 1000, abs=len(values))
 
 
 def test_the_verify_task_stores_the_cleanup_lag(target: Any) -> None:

@@ -415,6 +415,7 @@ def test_a_failed_plan_is_in_the_ledger_and_status_calls_the_policy_failing(targ
     assert f"run {key}: its plan failed at" in failing.message and "in the future" in failing.message
 
 
+@pytest.mark.solo
 def test_a_problem_no_retry_can_fix_fails_at_once_and_deletes_nothing(target: Any) -> None:
     rows_before = query(target, "SELECT count(*) FROM airflow_t.orders")[0][0]
     started = time.monotonic()

@@ -10,6 +10,7 @@ batches, tenants and dead letters that make a retry harmless and a run's complet
 - ``chunks``: the ``chunks`` table: a run's plan, and each chunk's progress batch by batch.
 - ``tenants``: per-tenant counts and cutoffs, and dead letters.
 - ``history``: what past runs tell the next: measured rates, cleanup lag, vacuums, failed plans.
+- ``slo``: the history behind a policy's cleanup SLO, and the database budget's state, read only.
 - ``inflight``: chunks that a process may still be writing although no task runs them any more.
 """
 

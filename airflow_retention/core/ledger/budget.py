@@ -90,12 +90,33 @@ class LedgerBudget(LedgerSchema):
         return (time.perf_counter() - started) * 1000
 
     def slots_busy(self, conn: Any) -> int:
+        return self.slots(conn)[0]
+
+    def slots(self, conn: Any) -> tuple[int, int]:
+        """Batch slots held, and sessions queued for one (``wait_slot``)."""
         rows = dbapi.fetch_all(
             conn,
-            "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND granted"
+            "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted)"
+            " FROM pg_catalog.pg_locks WHERE locktype = 'advisory'"
             " AND classid = %(k)s::bigint::oid AND objsubid = 2"
             " AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
             {"k": SLOT_CLASS},
+        )
+        return int(rows[0][0]), int(rows[0][1])
+
+    def foreground_sessions(self, conn: Any, within_s: float) -> int:
+        """Client sessions of the server, other than this one and the purges' (holding or queued for a batch
+        slot), that ran a statement in the last ``within_s`` seconds: someone for the budget to yield to.
+        A session whose state this role may not see counts (it may be busy)."""
+        rows = dbapi.fetch_all(
+            conn,
+            "SELECT count(*) FROM pg_catalog.pg_stat_activity a"
+            " WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()"
+            " AND (a.state IS NULL OR a.state <> 'idle'"
+            " OR a.state_change > clock_timestamp() - make_interval(secs => %(s)s::float8))"
+            " AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'"
+            " AND l.classid = %(k)s::bigint::oid AND l.objsubid = 2)",
+            {"s": within_s, "k": SLOT_CLASS},
         )
         return int(rows[0][0])
 
@@ -195,8 +216,12 @@ class LedgerBudget(LedgerSchema):
                 "signals", "reasons")  # fmt: skip
         return [dict(zip(keys, row, strict=True)) for row in rows]
 
-    def forget_observations(self, cur: Any, keep_days: int) -> None:
-        cur.execute(
-            f"DELETE FROM {self.s}.budget_observations WHERE at < now() - make_interval(days => %(d)s::integer)",
-            {"d": keep_days},
-        )
+    def forget_observations(self, conn: Any, keep_days: int) -> int:
+        """Delete the budget's observations older than ``keep_days`` (every planner does, with its policy's
+        ``ledger_keep_days``: the database's observations are kept as long as its shortest-lived runs)."""
+        with dbapi.transaction(conn) as cur:
+            cur.execute(
+                f"DELETE FROM {self.s}.budget_observations WHERE at < now() - make_interval(days => %(d)s::integer)",
+                {"d": keep_days},
+            )
+            return int(cur.rowcount)

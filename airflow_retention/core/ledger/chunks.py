@@ -248,17 +248,27 @@ class LedgerChunks(LedgerSchema):
         *,
         backoffs: int = 0,
         backoff_seconds: float = 0.0,
+        paused: Mapping[str, float] | None = None,
     ) -> None:
         """Best effort, in a transaction of its own: the batch that failed has been rolled back. Gives up
-        after ``lock_timeout_ms`` when another attempt holds the row: the error still reaches the caller."""
+        after ``lock_timeout_ms`` when another attempt holds the row: the error still reaches the caller.
+        ``paused``: the database budget's pauses since the last batch recorded (an attempt that gives up
+        paused has no next batch to record them with)."""
         try:
             with dbapi.transaction(conn) as cur:
                 dbapi.set_local_timeouts(cur, lock_timeout_ms, max(lock_timeout_ms, 1000))
                 cur.execute(
                     f"UPDATE {self.s}.chunks SET last_error = %(m)s, backoffs = backoffs + %(b)s::integer,"
-                    " backoff_seconds = backoff_seconds + %(bs)s::double precision"
+                    f" backoff_seconds = backoff_seconds + %(bs)s::double precision, paused = {_ADD_PAUSED}"
                     " WHERE run_key = %(r)s AND chunk_key = %(c)s",
-                    {"m": message[:2000], "r": run_key, "c": chunk_key, "b": backoffs, "bs": backoff_seconds},
+                    {
+                        "m": message[:2000],
+                        "r": run_key,
+                        "c": chunk_key,
+                        "b": backoffs,
+                        "bs": backoff_seconds,
+                        "paused": json.dumps(dict(paused or {})),
+                    },
                 )
         except Exception:  # noqa: BLE001 - the connection may be the thing that failed
             pass

@@ -12,10 +12,11 @@ from airflow_retention.core.ledger.budget import LedgerBudget
 from airflow_retention.core.ledger.chunks import LedgerChunks
 from airflow_retention.core.ledger.history import LedgerHistory
 from airflow_retention.core.ledger.runs import LedgerRuns
+from airflow_retention.core.ledger.slo import LedgerSlo
 from airflow_retention.core.ledger.tenants import LedgerTenants
 
 
-class Ledger(LedgerRuns, LedgerChunks, LedgerTenants, LedgerHistory, LedgerBudget):
+class Ledger(LedgerRuns, LedgerChunks, LedgerTenants, LedgerHistory, LedgerBudget, LedgerSlo):
     """Statements on the ledger tables of one schema: ``Ledger(schema="retention")``.
 
     :param schema: the schema that holds the ledger tables (created by :meth:`ensure` if need be).

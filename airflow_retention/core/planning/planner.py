@@ -141,6 +141,7 @@ def plan_run(
         f"; {preview.sizing.reason}" if preview.sizing else "",
     )
     pruned = ledger.prune(conn, policy.name, policy.ledger_keep_days)
+    ledger.forget_observations(conn, policy.ledger_keep_days)
     if pruned:
         log.info(
             "policy %s: pruned %d ledger run(s) last planned or completed more than %d days ago (ledger_keep_days)",

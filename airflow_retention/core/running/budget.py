@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 BASELINE_SAMPLES = 5
 CANARY_SAMPLES = 3
+BASELINE_WAIT_S = 0.05
 # A state nobody observed for this long belongs to purges that ended: the next one starts the budget
 # afresh (its baseline measured before its first batch, from the starting step).
 STALE_PERIODS = 10
@@ -69,6 +70,7 @@ class SharedBudget:
         self.pending: dict[str, float] = {}
         self.paused_s = 0.0  # paused (signals) or waiting for a slot in this attempt
         self._told: tuple[int, bool, tuple[str, ...]] | None = None
+        self._unreadable: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -93,7 +95,8 @@ class SharedBudget:
                 if not self.ledger.wait_slot(conn, slot, self.settings.period_ms):
                     slot = None
                 self._account(self._slot_reason(state), self.clock() - started)
-                self._give_up_past(state, f"waiting for a batch slot ({self._slot_reason(state)})")
+                if slot is None:  # not holding one: giving up with a slot would keep it until the session ends
+                    self._give_up_past(state, f"waiting for a batch slot ({self._slot_reason(state)})")
             if slot is not None:
                 if slot < state.concurrency:
                     self.slot = slot
@@ -167,15 +170,22 @@ class SharedBudget:
         if self.state is not None and now < self.next_look:
             return self.state
         start = start_level()
-        state, claimed = self.ledger.budget_state(
-            conn,
-            level=start,
-            concurrency=self.steps[start].concurrency,
-            duty=self.steps[start].duty,
-            period_s=self.period_s,
-        )
+        while True:
+            state, claimed = self.ledger.budget_state(
+                conn,
+                level=start,
+                concurrency=self.steps[start].concurrency,
+                duty=self.steps[start].duty,
+                period_s=self.period_s,
+            )
+            if claimed or state.baseline_ms is not None:
+                break
+            # Another worker is measuring the first baseline: no batch until it has, or the baseline would
+            # time this batch, not the foreground alone (its claim lapses after a period if it dies).
+            self.sleep(BASELINE_WAIT_S)
         if claimed:
-            state = self._observe(conn, state)
+            state = self._observe(conn, state)  # it logs its own move
+            self._told = (state.level, state.paused, state.reasons)
         self.next_look = now + self.period_s / 2
         self.state = state
         self._tell(state)
@@ -183,7 +193,7 @@ class SharedBudget:
 
     def _observe(self, conn: Any, state: BudgetState) -> BudgetState:
         stale = state.age_s is None or state.age_s > max(STALE_MIN_S, STALE_PERIODS * self.period_s)
-        busy = self.ledger.slots_busy(conn)
+        busy, queued = self.ledger.slots(conn)
         level, quiet, baseline, new_baseline = state.level, state.quiet, state.baseline_ms, False
         if stale or baseline is None:
             # A budget starting afresh: the baseline is the foreground alone, before this purge's first batch.
@@ -199,7 +209,20 @@ class SharedBudget:
         canary = self._canary(conn, CANARY_SAMPLES)
         signals = self.read(conn, self.policy)
         free = _free_connections(signals, busy)
-        decision = decide(self.settings, level, quiet, canary, baseline, signals, free_connections=free)
+        # The observer wants a slot too (it observes from admit(), holding none).
+        demand = busy + queued + 1
+        foreground = self.ledger.foreground_sessions(conn, self.period_s)
+        decision = decide(
+            self.settings,
+            level,
+            quiet,
+            canary,
+            baseline,
+            signals,
+            free_connections=free,
+            demand=demand,
+            foreground=foreground,
+        )
         if decision.move in ("down", "pause"):
             causes: tuple[str, ...] | None = decision.causes
         elif decision.level >= start_level():
@@ -220,6 +243,8 @@ class SharedBudget:
             slots_busy=busy,
             signals={
                 "canary_latency": {"value": canary, "baseline": baseline},
+                "foreground_sessions": {"value": foreground, "limit": None, "effect": "record", "error": None},
+                "batch_demand": {"value": demand, "limit": None, "effect": "record", "error": None},
                 **{s.name: s.to_dict() for s in signals},
             },
             reasons=decision.reasons,
@@ -227,7 +252,8 @@ class SharedBudget:
             observer=self.observer,
         )
         for signal in signals:
-            if signal.value is None:
+            if signal.value is None and signal.name not in self._unreadable:
+                self._unreadable.add(signal.name)  # once per attempt: the observations record every period
                 log.warning("%s: pressure signal %s (on_unreadable: %s)", self.label, signal.describe(),
                             self.settings.on_unreadable)  # fmt: skip
         if decision.move != "hold" or new_baseline:

@@ -95,6 +95,8 @@ def decide(
     signals: Sequence[Signal],
     *,
     free_connections: float | None = None,
+    demand: int | None = None,
+    foreground: int | None = None,
 ) -> Decision:
     """The next period's budget from this period's observation.
 
@@ -104,6 +106,13 @@ def decide(
     :param baseline_ms: the canary's latency before the purges started.
     :param free_connections: connections free beyond the reserve, counting the purges' own batch slots
         as free (None: unknown): the highest step allowed.
+    :param demand: batches the purges want at once: slots busy, workers queued for one and the observer
+        (None: unknown). The budget does not climb to more batches at once than are wanted: a quiet
+        period with one worker says nothing about four, and four arriving later start from what was
+        earned, not from a level nobody used.
+    :param foreground: other client sessions busy in the last period (None: unknown). With none, the
+        canary's latency is the purges' own (their WAL flushed before its commit) and nobody pays it: it
+        does not lower the budget, so that a purge on an idle database runs at full speed.
     """
     steps = ladder(budget.max_workers)
     level = max(0, min(level, len(steps) - 1))
@@ -119,8 +128,10 @@ def decide(
     stepping = [s for s in signals if s.effect == STEP and (s.high or (closed and s.value is None))]
     reasons = [_why(s) for s in stepping]
     causes = [s.name for s in stepping]
+    if foreground == 0:
+        canary_ms = None if canary_ms is None or canary_ms > limits.lower_ms else canary_ms
     if canary_ms is None:
-        if closed:
+        if closed and foreground != 0:
             reasons.append(f"{CANARY} unreadable")
             causes.append(CANARY)
     elif canary_ms > limits.upper_ms:
@@ -133,6 +144,8 @@ def decide(
         quiet += 1
         if quiet >= budget.quiet_periods and level + 1 < len(steps):
             ceiling = max(1, int(free_connections)) if free_connections is not None else None
+            if demand is not None:
+                ceiling = min(ceiling, max(1, demand)) if ceiling is not None else max(1, demand)
             if ceiling is None or steps[level + 1].concurrency <= ceiling:
                 return Decision(level + 1, steps[level + 1], 0, False, "up")
         return Decision(level, steps[level], quiet, False, "hold")

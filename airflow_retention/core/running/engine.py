@@ -133,7 +133,14 @@ def run_chunk(
     except RetentionError as exc:
         backoffs, backoff_s = run.throttler.take()
         ledger.record_error(
-            conn, key, chunk.key, str(exc), policy.lock_timeout_ms, backoffs=backoffs, backoff_seconds=backoff_s
+            conn,
+            key,
+            chunk.key,
+            str(exc),
+            policy.lock_timeout_ms,
+            backoffs=backoffs,
+            backoff_seconds=backoff_s,
+            paused=run.paused_for_batch(),
         )
         raise
     run.result.seconds = time.perf_counter() - started

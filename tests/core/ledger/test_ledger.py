@@ -17,7 +17,10 @@ from airflow_retention.core.ledger.schema import _MIGRATIONS, SCHEMA_VERSION
 from tests.conftest import connect
 from tests.core.helpers import CUTOFF, ledger_chunks, ledger_run, rows, scalar, start_and_join
 
-LEDGER_TABLES = ["chunks", "dead_letters", "ledger_version", "plan_failures", "runs", "tenant_counts", "tenant_cutoffs"]
+LEDGER_TABLES = [
+    "budget_canary", "budget_observations", "budget_state", "chunks", "dead_letters", "ledger_version",
+    "plan_failures", "runs", "tenant_counts", "tenant_cutoffs",
+]  # fmt: skip
 
 
 def _tables(admin: Any, schema: str) -> list[str]:
@@ -184,8 +187,8 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
     old_chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     old_run = ledger_run(admin, ledger.schema, "p@v1")
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 7
-    assert ledger.version(conn) == 7
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 8
+    assert ledger.version(conn) == 8
     chunks = ledger_chunks(admin, ledger.schema, "p@v1")
     new_columns = {
         "tenant_pos": 0,
@@ -198,6 +201,7 @@ def test_a_version_1_ledger_is_migrated_and_keeps_its_rows(schema: str, conn: An
         "partition_oid": None,
         "action": None,
         "action_started_at": None,
+        "paused": {},
     }
     for before, after in zip(old_chunks, chunks, strict=True):
         assert set(after) - set(before) == set(new_columns)
@@ -356,7 +360,7 @@ def test_a_version_4_ledger_gains_the_run_date_and_is_read_before_its_migration(
     assert read["leaves_deferred"] is None
     assert [r["run_key"] for r in ledger.recent_runs(conn, "p")] == ["p@v4"]
 
-    assert ledger.ensure(conn) == SCHEMA_VERSION == 7
+    assert ledger.ensure(conn) == SCHEMA_VERSION == 8
     # From version 5 the mark means "this chunk's detach is its own": the old unfinished mark is no such
     # proof (a partition a DBA detached since would be dropped), so it is cleared; a finished one stays.
     marks = dict(rows(admin, f"SELECT chunk_key, action_started_at IS NOT NULL FROM {s}.chunks ORDER BY 1"))

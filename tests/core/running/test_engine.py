@@ -862,6 +862,7 @@ def test_packed_chunk_killed_mid_tenant_resumes_there(schema: str, conn: Any, ad
     assert final["rows_deleted"] == len(mine) == total - scalar(admin, f"SELECT count(*) FROM {table}")
 
 
+@pytest.mark.solo
 def test_batches_write_compressed_full_page_images_when_told(schema: str, conn: Any, admin: Any) -> None:
     """After a checkpoint each page's first change writes the whole page to the WAL; with wal_compression
     set in the batches those images are compressed, and the purge writes much less WAL."""

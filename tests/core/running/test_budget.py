@@ -1,0 +1,563 @@
+"""The database budget shared by the chunks of every purge on a database (:mod:`airflow_retention.core.running
+.budget`), against the real PostgreSQL, in a database of its own (the batch slots are session-level advisory
+locks of the whole database): workers on connections of their own never hold more batch slots than the budget
+allows; a worker killed holding one loses it with its session, and the others take it; two policies share the
+slots and the state; and the time a chunk pauses is recorded per reason, in the ledger and in its result.
+
+The budget's state is forced here (``force``): a row claimed by nobody for an hour, so that no worker
+observes and moves it while a test runs. The controller's moves are tests/core/running/test_controller.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from airflow_retention.core.errors import RetryableError
+from airflow_retention.core.ledger.budget import SLOT_CLASS
+from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.records import Attempt, ChunkSpec
+from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.loading import policy_to_dict
+from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.budget import SharedBudget
+from airflow_retention.core.running.controller import ladder, start_level
+from airflow_retention.core.running.engine import BatchReport, ChunkResult, run_chunk
+from tests.conftest import _admin, connect, throwaway_database
+from tests.core.helpers import (
+    CUTOFF,
+    create_events,
+    eligible_ids,
+    fill_events,
+    ledger_chunks,
+    make_policy,
+    rows,
+    scalar,
+    start_and_join,
+    wait_for,
+)
+from tests.core.running.test_engine import CHILD
+
+REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.timeout(180)
+SLOTS_SQL = (
+    "SELECT l.pid, l.objid::integer, a.application_name FROM pg_catalog.pg_locks l"
+    " JOIN pg_catalog.pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND l.granted"
+    " AND l.classid = %(k)s::bigint::oid AND l.objsubid = 2"
+    " AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
+)
+BUDGET = {"period": "200ms", "connection_reserve": 0}  # the test server's connections are every test's
+
+
+@pytest.fixture(scope="module")
+def budget_dsn() -> Iterator[str]:
+    with throwaway_database("retention_budget") as dsn:
+        yield dsn
+
+
+@pytest.fixture
+def db(budget_dsn: str) -> Iterator[Any]:
+    """An autocommit psycopg2 connection to the budget's database, for setting up and inspecting."""
+    conn = _admin(budget_dsn)
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def schema(db: Any) -> Iterator[str]:
+    name = f"b_{time.monotonic_ns() % 10**10}"
+    rows(db, f'CREATE SCHEMA "{name}"')
+    yield name
+    rows(db, f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+    rows(db, f'DROP SCHEMA IF EXISTS "{name}_ledger" CASCADE')
+
+
+def slots(db: Any) -> list[tuple[int, int, str]]:
+    """The batch slots held on the database: (backend pid, slot, application_name)."""
+    return [tuple(r) for r in rows(db, SLOTS_SQL, {"k": SLOT_CLASS})]  # type: ignore[misc]
+
+
+def force(
+    db: Any,
+    policy: RetentionPolicy,
+    level: int,
+    *,
+    paused: bool = False,
+    reasons: Sequence[str] = (),
+    causes: Sequence[str] = (),
+) -> None:
+    """Set the budget's state to a step of the policy's ladder, claimed for an hour: nobody observes it."""
+    step = ladder(policy.budget.max_workers)[level]
+    rows(
+        db,
+        f'INSERT INTO "{policy.ledger_schema}".budget_state (scope, level, concurrency, duty, paused, reasons,'
+        " causes, baseline_ms, observed_at, claimed_until)"
+        " VALUES ('database', %(level)s, %(c)s, %(duty)s, %(paused)s, %(reasons)s::text[], %(causes)s::text[], 1.0,"
+        " clock_timestamp(), clock_timestamp() + interval '1 hour')"
+        " ON CONFLICT (scope) DO UPDATE SET level = EXCLUDED.level, concurrency = EXCLUDED.concurrency,"
+        " duty = EXCLUDED.duty, paused = EXCLUDED.paused, reasons = EXCLUDED.reasons, causes = EXCLUDED.causes,"
+        " baseline_ms = EXCLUDED.baseline_ms, observed_at = EXCLUDED.observed_at,"
+        " claimed_until = EXCLUDED.claimed_until",
+        {
+            "level": level,
+            "c": step.concurrency,
+            "duty": step.duty,
+            "paused": paused,
+            "reasons": list(reasons),
+            "causes": list(causes),
+        },
+    )
+
+
+def level_of(concurrency: int) -> int:
+    """The ladder's step of ``concurrency`` batches at once, at full duty."""
+    return start_level() + concurrency - 1
+
+
+class Inside:
+    """Counts the workers inside ``on_batch`` (after a batch's commit, before its slot is released): each one
+    holds a batch slot. ``most[phase]``: the most at once in each phase of a test."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.lock = threading.Lock()
+        self.now = 0
+        self.phase = 0
+        self.most: dict[int, int] = {}
+
+    def __call__(self, report: BatchReport) -> None:
+        with self.lock:
+            self.now += 1
+            self.most[self.phase] = max(self.most.get(self.phase, 0), self.now)
+        time.sleep(self.hold_s)
+        with self.lock:
+            self.now -= 1
+
+
+class SlotSampler(threading.Thread):
+    """The batch slots held on the database, read every 10 ms on a connection of its own until stopped."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.samples: list[tuple[float, list[tuple[int, int, str]]]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        conn = _admin(self.dsn)
+        try:
+            while not self.halt.is_set():
+                self.samples.append((time.monotonic(), slots(conn)))
+                self.halt.wait(0.01)
+        finally:
+            conn.close()
+
+    def __enter__(self) -> SlotSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.join(10)
+
+    def most(self, since: float = 0.0) -> int:
+        return max((len(held) for t, held in self.samples if t >= since), default=0)
+
+
+def run_in_threads(
+    dsn: str,
+    jobs: Sequence[tuple[RetentionPolicy, ChunkSpec]],
+    on_batch: Callable[[BatchReport], None],
+    drivers: Sequence[str] = ("psycopg", "psycopg2"),
+) -> tuple[dict[str, ChunkResult], list[BaseException]]:
+    """Each chunk on a connection of its own, in a thread of its own, all started at once."""
+    results: dict[str, ChunkResult] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(jobs))
+
+    def work(i: int, policy: RetentionPolicy, chunk: ChunkSpec) -> None:
+        c = connect(drivers[i % len(drivers)], dsn)
+        try:
+            barrier.wait(timeout=30)
+            results[f"{policy.name}/{chunk.key}"] = run_chunk(
+                c, policy, CUTOFF, chunk, attempt=Attempt("d", "r", i, 1, f"worker-{i}"), on_batch=on_batch
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=work, args=(i, p, c)) for i, (p, c) in enumerate(jobs)]
+    start_and_join(threads, 120)
+    return results, errors
+
+
+def make_plan(db: Any, policy: RetentionPolicy) -> Any:
+    """The run's plan, made on a connection of its own (the engine's leave autocommit for the batches)."""
+    with closing(connect("psycopg2", db.dsn)) as conn:
+        return plan_run(conn, policy, CUTOFF)
+
+
+def events(db: Any, schema: str, table: str = "events", count: int = 4000) -> str:
+    name = create_events(db, schema, table)
+    fill_events(db, name, count)
+    return name
+
+
+def assert_purged_once(db: Any, policy: RetentionPolicy, table: str, eligible: int, total: int, run_key: str) -> None:
+    """Every eligible row gone, each counted once in the ledger, nothing else gone."""
+    assert eligible_ids(db, table) == []
+    assert total - scalar(db, f"SELECT count(*) FROM {table}") == eligible
+    chunks = ledger_chunks(db, policy.ledger_schema, run_key)
+    assert all(c["state"] == "complete" for c in chunks)
+    assert sum(c["rows_deleted"] for c in chunks) == eligible
+
+
+# -- the slots --------------------------------------------------------------------------------------
+
+
+def test_workers_on_connections_of_their_own_never_hold_more_slots_than_the_budget(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    table = events(db, schema)
+    policy = make_policy(schema, batch_size=50, chunk_rows=520, budget=BUDGET)
+    plan = make_plan(db, policy)
+    assert len(plan.chunks) == 4
+    eligible, total = len(eligible_ids(db, table)), scalar(db, f"SELECT count(*) FROM {table}")
+    force(db, policy, level_of(2))
+    inside = Inside(0.02)
+    with SlotSampler(budget_dsn) as sampler:
+        results, errors = run_in_threads(budget_dsn, [(policy, c) for c in plan.chunks], inside)
+    assert errors == []
+    assert inside.most[0] == 2, "two workers were never inside a batch slot at once"
+    assert sampler.most() == 2 and len(sampler.samples) > 20
+    assert slots(db) == []  # every slot released
+    assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+    assert sum(r.rows_deleted for r in results.values()) == eligible
+    assert all(r.batches > 5 for r in results.values())
+    # Four workers for two slots: they waited, and the waits are recorded per chunk, in the ledger as in the
+    # results (the reason: the budget is simply full).
+    chunks = {c["chunk_key"]: c for c in ledger_chunks(db, policy.ledger_schema, plan.run_key)}
+    assert sum(r.paused.get("slots", 0.0) for r in results.values()) > 0.05
+    for name, result in results.items():
+        assert set(result.paused) <= {"slots"}
+        ledger = chunks[name.split("/", 1)[1]]["paused"]
+        assert ledger.keys() == result.paused.keys()
+        assert ledger.get("slots", 0.0) == pytest.approx(result.paused.get("slots", 0.0), abs=0.01)
+    assert scalar(db, f'SELECT concurrency FROM "{policy.ledger_schema}".budget_state') == 2  # nobody moved it
+
+
+def test_a_worker_killed_holding_a_slot_loses_it_and_the_others_take_it(
+    db: Any, schema: str, budget_dsn: str, tmp_path: Path
+) -> None:
+    table = events(db, schema, count=6000)
+    policy = make_policy(schema, batch_size=50, chunk_rows=1100, budget=BUDGET)
+    plan = make_plan(db, policy)
+    assert len(plan.chunks) == 3
+    eligible, total = len(eligible_ids(db, table)), scalar(db, f"SELECT count(*) FROM {table}")
+    force(db, policy, level_of(2))
+    victim, others = plan.chunks[0], plan.chunks[1:]
+    app = f"retention-budget-kill-{schema}"
+    # The child commits its first batch and then holds its slot (a long on_batch) until it is killed.
+    args = {
+        "driver": "psycopg2",
+        "dsn": budget_dsn,
+        "app": app,
+        "policy": policy_to_dict(policy),
+        "cutoff": CUTOFF.isoformat(),
+        "chunk": {"key": victim.key, "lo": victim.lo, "hi": victim.hi, "seq": victim.seq},
+        "sleep": 120,
+    }
+    stderr = tmp_path / "child.err"
+    with stderr.open("w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, json.dumps(args)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err
+        )
+    inside = Inside(0.04)
+    outcome: dict[str, Any] = {}
+    try:
+
+        def holds_a_slot() -> bool:
+            assert child.poll() is None, f"child exited early: {stderr.read_text()}"
+            return any(a == app for _, _, a in slots(db))
+
+        wait_for(holds_a_slot, 30, "the child to hold a batch slot")
+        (child_pid, child_slot) = next((pid, slot) for pid, slot, a in slots(db) if a == app)
+        with SlotSampler(budget_dsn) as sampler:
+            worker = threading.Thread(
+                target=lambda: outcome.update(
+                    zip(
+                        ("results", "errors"),
+                        run_in_threads(budget_dsn, [(policy, c) for c in others], inside),
+                        strict=True,
+                    )
+                )
+            )
+            worker.start()
+            # While the child holds one slot, the two others share the other one.
+            wait_for(
+                lambda: sum(c["batches"] for c in ledger_chunks(db, policy.ledger_schema, plan.run_key)[1:]) >= 6,
+                30,
+                "the others to commit batches beside the child",
+            )
+            assert inside.most[0] == 1 and any(a == app for _, _, a in slots(db))
+            inside.phase = 1
+            child.send_signal(signal.SIGKILL)
+            assert child.wait(timeout=10) == -signal.SIGKILL
+            gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %(p)s"
+            wait_for(lambda: scalar(db, gone, {"p": child_pid}) == 0, 15, "the killed session to end")
+            ended = time.monotonic()
+            worker.join(120)
+        assert not worker.is_alive() and outcome["errors"] == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    # Never more than the budget's two slots; after the kill, its slot back in use and both slots busy again.
+    assert sampler.most() == 2
+    after = [held for t, held in sampler.samples if t >= ended]
+    assert all(pid != child_pid for held in after for pid, _, _ in held)
+    assert max(len(held) for held in after) == 2, "the killed worker's slot was lost"
+    assert any(slot == child_slot for held in after for _, slot, _ in held)
+    assert inside.most[1] == 2
+    # The killed chunk: one batch committed; its retry resumes and finishes it.
+    (first,) = [c for c in ledger_chunks(db, policy.ledger_schema, plan.run_key) if c["chunk_key"] == victim.key]
+    assert (first["state"], first["batches"]) == ("running", 1)
+    with closing(connect("psycopg", budget_dsn)) as conn:
+        retry = run_chunk(conn, policy, CUTOFF, victim, attempt=Attempt("d", "r", 0, 2, "retry"))
+    assert retry.resumed_from == first["next_key"] and retry.batches > 1
+    assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+    assert slots(db) == []
+
+
+def test_a_session_terminated_mid_batch_frees_the_only_slot_for_the_worker_waiting(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    table = events(db, schema)
+    policy = make_policy(schema, batch_size=50, chunk_rows=1100, budget=BUDGET)
+    plan = make_plan(db, policy)
+    assert len(plan.chunks) == 2
+    eligible, total = len(eligible_ids(db, table)), scalar(db, f"SELECT count(*) FROM {table}")
+    force(db, policy, level_of(1))  # one slot for both
+    victim, other = plan.chunks
+    # A row of the victim's second batch, held: the victim waits inside that batch, holding the only slot.
+    (held_row,) = rows(
+        db, f"SELECT id FROM {table} WHERE id >= %(lo)s ORDER BY id OFFSET 75 LIMIT 1", {"lo": victim.lo}
+    )
+    blocker = connect("psycopg2", budget_dsn)
+    outcome: dict[str, Any] = {}
+    try:
+        with blocker.cursor() as cur:
+            cur.execute(f"SELECT 1 FROM {table} WHERE id = %(id)s FOR UPDATE", {"id": held_row[0]})
+
+        def attempt(chunk: ChunkSpec, app: str) -> None:
+            c = connect("psycopg", budget_dsn)
+            try:
+                c.execute("SELECT set_config('application_name', %s, false)", (app,))
+                c.commit()
+                outcome[app] = run_chunk(c, policy, CUTOFF, chunk, attempt=Attempt("d", "r", 0, 1, app))
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                outcome[app] = exc
+            finally:
+                c.close()
+
+        first = threading.Thread(target=attempt, args=(victim, f"victim-{schema}"))
+        first.start()
+        waiting = (
+            f"SELECT pid FROM pg_stat_activity WHERE application_name = 'victim-{schema}' AND wait_event_type = 'Lock'"
+        )
+        wait_for(lambda: bool(rows(db, waiting)), 30, "the victim to wait inside its second batch")
+        ((victim_pid,),) = rows(db, waiting)
+        assert [(pid, a) for pid, _, a in slots(db)] == [(victim_pid, f"victim-{schema}")]
+        second = threading.Thread(target=attempt, args=(other, f"other-{schema}"))
+        second.start()
+        queued = f"SELECT 1 FROM pg_stat_activity WHERE application_name = 'other-{schema}' AND wait_event = 'advisory'"
+        wait_for(lambda: bool(rows(db, queued)), 30, "the other to queue for the slot")
+        time.sleep(0.6)  # three periods: the other waits for the slot, and commits nothing
+        (other_row,) = [c for c in ledger_chunks(db, policy.ledger_schema, plan.run_key) if c["chunk_key"] == other.key]
+        assert other_row["batches"] == 0
+        assert rows(db, "SELECT pg_terminate_backend(%(p)s)", {"p": victim_pid}) == [(True,)]
+        first.join(30)
+        second.join(60)
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert isinstance(outcome[f"victim-{schema}"], RetryableError)
+    done = outcome[f"other-{schema}"]
+    assert isinstance(done, ChunkResult) and done.paused.get("slots", 0.0) >= 0.5
+    chunks = {c["chunk_key"]: c for c in ledger_chunks(db, policy.ledger_schema, plan.run_key)}
+    assert chunks[other.key]["state"] == "complete"
+    assert chunks[other.key]["paused"]["slots"] == pytest.approx(done.paused["slots"], abs=0.01)
+    assert chunks[victim.key]["batches"] == 1
+    with closing(connect("psycopg2", budget_dsn)) as conn:
+        retry = run_chunk(conn, policy, CUTOFF, victim, attempt=Attempt("d", "r", 0, 2, "retry"))
+    assert retry.resumed_from == chunks[victim.key]["next_key"]
+    assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+    assert slots(db) == []
+
+
+# -- two policies -----------------------------------------------------------------------------------
+
+
+def two_policies(db: Any, schema: str) -> tuple[list[RetentionPolicy], list[str]]:
+    """Two policies on two tables of the database, with one ledger: one budget."""
+    tables = [events(db, schema, "events", 3000), events(db, schema, "events2", 3000)]
+    policies = [
+        make_policy(schema, batch_size=50, chunk_rows=5000, budget=BUDGET),
+        make_policy(
+            schema, name="other_purge", table=f"{schema}.events2", batch_size=50, chunk_rows=5000, budget=BUDGET
+        ),
+    ]
+    return policies, tables
+
+
+def test_two_policies_on_one_database_share_the_slots(db: Any, schema: str, budget_dsn: str) -> None:
+    policies, tables = two_policies(db, schema)
+    plans = [make_plan(db, p) for p in policies]
+    assert [len(p.chunks) for p in plans] == [1, 1]
+    before = [(len(eligible_ids(db, t)), scalar(db, f"SELECT count(*) FROM {t}")) for t in tables]
+    force(db, policies[0], level_of(1))  # the state of both: one ledger
+    inside = Inside(0.01)
+    with SlotSampler(budget_dsn) as sampler:
+        results, errors = run_in_threads(
+            budget_dsn, [(p, plan.chunks[0]) for p, plan in zip(policies, plans, strict=True)], inside
+        )
+    assert errors == []
+    # One slot: a batch of one policy never beside a batch of the other, and each waited for the other's.
+    assert inside.most[0] == 1 and sampler.most() == 1
+    assert all(r.paused.get("slots", 0.0) > 0 for r in results.values()), {k: r.paused for k, r in results.items()}
+    assert scalar(db, f'SELECT count(*) FROM "{policies[0].ledger_schema}".budget_state') == 1
+    for policy, plan, table, (eligible, total) in zip(policies, plans, tables, before, strict=True):
+        assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+
+
+def test_a_second_policy_carries_on_the_budget_the_first_one_observed(db: Any, schema: str, budget_dsn: str) -> None:
+    policies, _ = two_policies(db, schema)
+    plans = [make_plan(db, p) for p in policies]
+    observations = (
+        "SELECT split_part(observer, '@', 1), level, baseline_ms, move"
+        f' FROM "{schema}_ledger".budget_observations ORDER BY at'
+    )
+    with closing(connect("psycopg2", budget_dsn)) as conn:
+        first = run_chunk(conn, policies[0], CUTOFF, plans[0].chunks[0], on_batch=lambda r: time.sleep(0.02))
+    seen = rows(db, observations)
+    assert first.batches > 10 and seen and {o[0] for o in seen} == {"events_purge"}
+    state = rows(db, f'SELECT level, baseline_ms, observer FROM "{schema}_ledger".budget_state')
+    time.sleep(0.25)  # the next period is due
+    with closing(connect("psycopg", budget_dsn)) as conn:
+        run_chunk(conn, policies[1], CUTOFF, plans[1].chunks[0], on_batch=lambda r: time.sleep(0.02))
+    more = rows(db, observations)[len(seen) :]
+    # The second policy's chunks observed the same state: from the level the first left, with its baseline.
+    assert more and {o[0] for o in more} == {"other_purge"}
+    assert all(o[2] == state[0][1] for o in more)
+    assert more[0][1] in (state[0][0] - 1, state[0][0], state[0][0] + 1)
+    assert scalar(db, f'SELECT count(*) FROM "{schema}_ledger".budget_state') == 1
+
+
+# -- pauses per reason ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("level", "causes", "max_duty_cycle", "reason"),
+    [
+        (0, [], 1.0, "budget"),  # the floor: busy a tenth of the time
+        (1, ["canary_latency"], 1.0, "canary_latency"),
+        (level_of(1), [], 0.25, "max_duty_cycle"),  # the policy's own duty cycle, below the budget's
+    ],
+)
+def test_the_rest_of_a_low_duty_cycle_is_recorded_under_its_reason(
+    db: Any, schema: str, budget_dsn: str, level: int, causes: list[str], max_duty_cycle: float, reason: str
+) -> None:
+    table = events(db, schema, count=1500)
+    policy = make_policy(schema, batch_size=100, budget=BUDGET, max_duty_cycle=max_duty_cycle)
+    plan = make_plan(db, policy)
+    force(db, policy, level, causes=causes)
+    with closing(connect("psycopg2", budget_dsn)) as conn:
+        result = run_chunk(conn, policy, CUTOFF, plan.chunks[0])
+    assert result.batches >= 8
+    assert set(result.paused) == {reason}
+    assert result.paused[reason] == pytest.approx(result.duty_seconds, abs=0.01)
+    duty = min(max_duty_cycle, ladder(4)[level].duty)
+    batch_s = sum(b.ms for b in result.batch_log[:-1]) / 1000  # every batch but the last is followed by a rest
+    assert result.duty_seconds == pytest.approx(batch_s * (1 / duty - 1), rel=0.05)
+    (chunk,) = ledger_chunks(db, policy.ledger_schema, plan.run_key)
+    assert chunk["paused"] == {reason: pytest.approx(result.paused[reason], abs=0.01)}
+    assert eligible_ids(db, table) == []
+
+
+def test_a_paused_budget_holds_the_chunk_records_why_and_gives_up_past_give_up_after(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    table = events(db, schema, count=1500)
+    policy = make_policy(schema, batch_size=100, budget=BUDGET, throttle={"give_up_after": "600ms"})
+    plan = make_plan(db, policy)
+    (chunk,) = plan.chunks
+    force(db, policy, level_of(1))
+    lag = "replica_lag 45000ms > 30000ms"
+
+    committed: list[BatchReport] = []
+
+    def pause_after_two(report: BatchReport) -> None:
+        committed.append(report)
+        time.sleep(0.03)  # the chunk's 15 batches outlast the half period the state is read again after
+        if len(committed) == 2:
+            force(db, policy, level_of(1), paused=True, reasons=[lag], causes=["replica_lag"])
+
+    started = time.monotonic()
+    with closing(connect("psycopg2", budget_dsn)) as conn, pytest.raises(RetryableError) as info:
+        run_chunk(conn, policy, CUTOFF, chunk, attempt=Attempt("d", "r", 0, 1, "first"), on_batch=pause_after_two)
+    waited = time.monotonic() - started
+    message = str(info.value)
+    assert f"paused: {lag}" in message and "give_up_after 0.6 s" in message, message
+    assert "the task's retry resumes the chunk" in message
+    assert waited >= 0.6
+    (row,) = ledger_chunks(db, policy.ledger_schema, plan.run_key)
+    # The state is read again at most every half period (100 ms here): a few batches more before the pause.
+    assert row["state"] == "running" and row["batches"] == len(committed) >= 2
+    # The pause is in the ledger, under its cause: "throttled on purpose", not "stuck".
+    assert row["paused"].get("replica_lag", 0.0) >= 0.6
+    assert lag in row["last_error"]
+    # Paused no more: the retry finishes the chunk, the pause of the first attempt still counted.
+    force(db, policy, level_of(1))
+    with closing(connect("psycopg", budget_dsn)) as conn:
+        retry = run_chunk(conn, policy, CUTOFF, chunk, attempt=Attempt("d", "r", 0, 2, "retry"))
+    assert retry.paused == {}
+    (row,) = ledger_chunks(db, policy.ledger_schema, plan.run_key)
+    assert row["state"] == "complete" and row["paused"]["replica_lag"] >= 0.6
+    assert eligible_ids(db, table) == []
+
+
+def test_a_worker_that_gets_its_slot_as_give_up_after_runs_out_keeps_it_and_goes_on(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """The wait for a slot ends with the slot at the moment the attempt's pauses reach ``give_up_after``: the
+    attempt goes on with it; it never gives up holding a slot that nothing would release before its session
+    ends (a connection kept by the worker keeps the slot)."""
+    events(db, schema, count=200)
+    policy = make_policy(schema, budget=BUDGET)
+    make_plan(db, policy)
+    force(db, policy, level_of(1))
+    holder = _admin(budget_dsn)
+    ticks = iter(range(0, 10**6, 1000))  # every reading of the clock 1000 s later: past give_up_after (600 s)
+    budget = SharedBudget(policy, Ledger(policy.ledger_schema), "chunk x", "test", clock=lambda: float(next(ticks)))
+    try:
+        assert rows(holder, "SELECT pg_try_advisory_lock(%(k)s::integer, 0)", {"k": SLOT_CLASS}) == [(True,)]
+        threading.Timer(0.05, lambda: rows(holder, "SELECT pg_advisory_unlock_all()")).start()
+        with closing(connect("psycopg2", budget_dsn)) as conn:
+            budget.admit(conn)  # queues on slot 0 and gets it once the holder lets go
+            assert budget.slot == 0 and [a for _, _, a in slots(db)] == [""]
+            assert budget.take() == {"slots": 1000.0}
+            budget.release(conn)
+            assert slots(db) == []
+    finally:
+        holder.close()
