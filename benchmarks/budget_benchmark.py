@@ -9,6 +9,7 @@ unbounded DELETE, on a busy and on an idle database, and a step load, in one run
                                           [--skip-step | --only-step]
                                           [--chart docs/img/budget-step-load.png] [--verbose]
                                           [--dsn DSN] [--json out.json]
+    python benchmarks/budget_benchmark.py --markdown results.json   # the JSON as docs/performance.md's table
 
 In a database of its own (``retention_budget_bench``): the table, its copy before every run and the
 light foreground (500 single-row reads and writes a second on live rows, in a process of its own) of
@@ -44,6 +45,7 @@ observations, and the reversals.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import multiprocessing
@@ -79,7 +81,8 @@ from airflow_retention.core.running.controller import ladder  # noqa: E402
 from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
 
-DB = "retention_budget_bench"
+# A database of its own, recreated; RETENTION_BUDGET_BENCH_DB lets two runs go side by side.
+DB = os.environ.get("RETENTION_BUDGET_BENCH_DB", "retention_budget_bench")
 PGBENCH = os.environ.get("PGBENCH", "/usr/bin/pgbench")
 WARMUP_S = 1.0  # pgbench's first second: its connections, left out of its latencies
 ELIGIBLE_SHARE = 0.56  # of the table's rows (purge_benchmark's table), for chunk_rows
@@ -285,6 +288,7 @@ def measure(
     """Copy the table (``fresh``), start the foreground, run ``purge`` (rows deleted and notes), stop the
     foreground; the foreground's latencies are those of the purge's span."""
     live = prepare(dsn, "bench_ledger", fresh=fresh)
+    load = os.getloadavg()[0]  # the machine may be shared: each number says how busy it was
     admin = psycopg2.connect(dsn, application_name="bench-admin")
     admin.autocommit = True
     before = pb.wal_lsn(admin)
@@ -314,11 +318,14 @@ def measure(
     if rows and left:
         raise AssertionError(f"{case}: {left} eligible rows left")
     notes.pop("batch_log", None)
+    notes["load_before"] = round(load, 2)
+    notes["load_after"] = round(os.getloadavg()[0], 2)
     if "workers" in notes:
         notes["budget"] = budget_summary(dsn, since)
     seconds = ended - started
     p50, p99 = percentiles(latencies)
     rate = rows / seconds if rows else 0.0
+    print(f"  {seconds:.1f} s, {rows:,} rows; {foreground} p50 {p50:.2f} ms, p99 {p99:.2f} ms", flush=True)
     return Result(case, foreground, seconds, rows, rate, wal, p50, p99, len(latencies), notes)
 
 
@@ -386,6 +393,7 @@ def step_load(dsn: str, policy: RetentionPolicy, args: argparse.Namespace) -> di
     low, high = args.step_rates
     rise, fall = args.step_at
     prepare(dsn, "bench_ledger", copies=args.step_copies)
+    load = os.getloadavg()[0]
     since = datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory(prefix="budget-step-") as tmp:
         base = PgBench(dsn, low, Path(tmp), clients=args.pgbench_clients, name="base").start()
@@ -440,6 +448,8 @@ def step_load(dsn: str, policy: RetentionPolicy, args: argparse.Namespace) -> di
     return {
         "rows": rows,
         "seconds": round(span, 2),
+        "load_before": round(load, 2),
+        "load_after": round(os.getloadavg()[0], 2),
         "rates": [low, high],
         "rise_s": rise,
         "fall_s": fall,
@@ -534,7 +544,7 @@ def print_table(rows: int, alone_by_fg: dict[str, Result], results: list[Result]
         print(f"  {fg} alone: p50 {idle.fg_p50_ms:.2f} ms, p99 {idle.fg_p99_ms:.2f} ms ({idle.notes.get('runs', '')})")
     print(
         f"{'case':<44} {'foreground':<10} {'s':>7} {'x(a)':>6} {'rows/s':>10} {'WAL MB':>7} {'fg p50':>7}"
-        f" {'fg p99':>7} {'p99/alone':>9} {'paused s by reason'}"
+        f" {'fg p99':>7} {'p99/alone':>9} {'load':>5} {'paused s by reason'}"
     )
     refs = {r.foreground: r for r in results if r.case.startswith("a.")}
     for r in results:
@@ -549,7 +559,7 @@ def print_table(rows: int, alone_by_fg: dict[str, Result], results: list[Result]
         paused = r.notes.get("paused_s") or ""
         print(
             f"{r.case:<44} {r.foreground:<10} {r.seconds:>7.1f} {ratio} {r.rows_per_s:>10,.0f}"
-            f" {r.wal_bytes / 2**20:>7.0f}{fg} {paused}"
+            f" {r.wal_bytes / 2**20:>7.0f}{fg} {r.notes.get('load_before', 0):>5.1f} {paused}"
         )
     for r in results:
         b = r.notes.get("budget")
@@ -558,6 +568,32 @@ def print_table(rows: int, alone_by_fg: dict[str, Result], results: list[Result]
                 f"  {r.case} / {r.foreground}: baseline {b['baseline_ms']} ms, canary p50 {b['canary_p50_ms']} ms"
                 f" max {b['canary_max_ms']} ms, moves {b['moves']}, levels {b['levels']}"
             )
+
+
+def markdown(data: dict[str, Any]) -> str:
+    """A results JSON as docs/performance.md's table: each case's time against (a) and each foreground's
+    latency against its own alone, the pauses by reason, the load when it started."""
+    alone = data["alone"]
+    refs = {r["foreground"]: r for r in data["results"] if r["case"].startswith("a.")}
+    lines = [
+        "| case | foreground | s | x (a) | fg p50 ms | fg p99 ms | p99 / alone | paused s, by reason | load |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for fg, a in alone.items():
+        lines.append(f"| alone (no purge) | {fg} | | | {a['fg_p50_ms']:.2f} | {a['fg_p99_ms']:.2f} | 1 | | |")
+    for r in data["results"]:
+        fg, ref = r["foreground"], refs.get(r["foreground"])
+        x = f"{r['seconds'] / ref['seconds']:.2f}" if ref else ""
+        lat = (
+            f"{r['fg_p50_ms']:.2f} | {r['fg_p99_ms']:.2f} | {r['fg_p99_ms'] / alone[fg]['fg_p99_ms']:.1f}"
+            if fg in alone
+            else " | | "
+        )
+        paused = ", ".join(f"{k} {v:.0f}" for k, v in (r["notes"].get("paused_s") or {}).items())
+        where = "idle database" if fg == "none" else fg
+        load = r["notes"].get("load_before", "")
+        lines.append(f"| {r['case']} | {where} | {r['seconds']:.1f} | {x} | {lat} | {paused} | {load} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -589,7 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="log the budget's moves (INFO)")
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_budget_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-budget.json")
+    parser.add_argument("--markdown", type=Path, help="print a results JSON as a Markdown table, and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(processName)s %(message)s")
     if args.verbose:
         logging.getLogger("airflow_retention.core.running.budget").setLevel(logging.INFO)
@@ -635,25 +675,28 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(measure(dsn, name, purge, "none", args))
         if not args.skip_step:
             print(f"running the step load (load {os.getloadavg()[0]:.1f}) ...", flush=True)
-            step = step_load(dsn, new, args)
+            try:
+                step = step_load(dsn, new, args)
+            except Exception as exc:  # noqa: BLE001 - the cases' numbers are kept and written
+                print(f"  FAILED: the step load: {type(exc).__name__}: {exc}", flush=True)
     finally:
         admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
-    print_table(rows, alone_by_fg, results)
+        print_table(rows, alone_by_fg, results)
+        pb.write_json(
+            args.json,
+            {
+                "rows": rows,
+                "chunk_rows": chunk_rows,
+                "pgbench": {"rate": args.pgbench_rate, "clients": args.pgbench_clients, "scale": args.pgbench_scale},
+                "budget": new.budget.to_dict(),
+                "ladder": [asdict(s) for s in ladder(new.budget.max_workers)],
+                "alone": {fg: asdict(r) for fg, r in alone_by_fg.items()},
+                "results": [asdict(r) for r in results],
+                "step_load": step,
+            },
+        )
     if step is not None:
         chart(step, args.chart, new.budget.max_workers)
-    pb.write_json(
-        args.json,
-        {
-            "rows": rows,
-            "chunk_rows": chunk_rows,
-            "pgbench": {"rate": args.pgbench_rate, "clients": args.pgbench_clients, "scale": args.pgbench_scale},
-            "budget": new.budget.to_dict(),
-            "ladder": [asdict(s) for s in ladder(new.budget.max_workers)],
-            "alone": {fg: asdict(r) for fg, r in alone_by_fg.items()},
-            "results": [asdict(r) for r in results],
-            "step_load": step,
-        },
-    )
     return 0
 
 

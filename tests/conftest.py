@@ -9,7 +9,7 @@ the Airflow-level tests, ``retention_e2e_<random>`` (``E2E_DSN``), and drops bot
 The drill that restarts the PostgreSQL server runs only with ``RETENTION_TEST_ALLOW_RESTART=1`` (CI sets
 it): on a shared machine the server may be someone else's.
 
-Under pytest-xdist (``./dev test`` runs ``-n 4 --dist loadgroup``) each worker is a pytest process of its own:
+Under pytest-xdist (``./dev test`` runs ``-n 2 --dist loadgroup``) each worker is a pytest process of its own:
 its own databases (the random names below are drawn per process), AIRFLOW_HOME and SQLite metadata. The tests
 that share a costly fixture stay on one worker, and the longest start first (``tests/xdist_groups.py``).
 """

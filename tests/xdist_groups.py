@@ -1,4 +1,4 @@
-"""How ``./dev test`` spreads the suite over pytest-xdist workers (``-n 4 --dist loadgroup``).
+"""How ``./dev test`` spreads the suite over pytest-xdist workers (``-n 2 --dist loadgroup``).
 
 Each worker is a pytest process of its own, with its own databases, AIRFLOW_HOME and SQLite metadata
 (tests/conftest.py draws their names per process). The tests that share a costly fixture run on one worker:

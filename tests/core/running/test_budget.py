@@ -552,7 +552,21 @@ def test_a_worker_that_gets_its_slot_as_give_up_after_runs_out_keeps_it_and_goes
     budget = SharedBudget(policy, Ledger(policy.ledger_schema), "chunk x", "test", clock=lambda: float(next(ticks)))
     try:
         assert rows(holder, "SELECT pg_try_advisory_lock(%(k)s::integer, 0)", {"k": SLOT_CLASS}) == [(True,)]
-        threading.Timer(0.05, lambda: rows(holder, "SELECT pg_advisory_unlock_all()")).start()
+
+        def let_go_once_queued() -> None:
+            # Only once the worker waits on the slot: a fixed delay let it go first on a loaded machine.
+            deadline = time.monotonic() + 60
+            while not rows(
+                holder,
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND classid = %(k)s::bigint::oid",
+                {"k": SLOT_CLASS},
+            )[0][0]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            rows(holder, "SELECT pg_advisory_unlock_all()")
+
+        threading.Thread(target=let_go_once_queued, daemon=True).start()
         with closing(connect("psycopg2", budget_dsn)) as conn:
             budget.admit(conn)  # queues on slot 0 and gets it once the holder lets go
             assert budget.slot == 0 and [a for _, _, a in slots(db)] == [""]
