@@ -22,7 +22,11 @@ _CHUNK_FIELDS = (
     "last_batch_size", "min_batch_size", "max_batch_size", "backoffs", "backoff_seconds", "partition",
     "partition_oid", "action", "action_started_at", "paused",
 )  # fmt: skip
-_CHUNK_COLUMNS = ", ".join(_CHUNK_FIELDS)
+# ``paused`` came with ledger version 8: read from the row as JSON, so that a ledger not migrated yet (status
+# before the next run's first task migrates it) reads as having paused nothing.
+_CHUNK_COLUMNS = ", ".join(
+    "coalesce(to_jsonb(chunks) -> 'paused', '{}'::jsonb)" if f == "paused" else f for f in _CHUNK_FIELDS
+)
 # A batch's pauses by reason (jsonb {reason: seconds}) added to the chunk's.
 _ADD_PAUSED = (
     "paused || coalesce((SELECT jsonb_object_agg(d.key, coalesce((paused ->> d.key)::float8, 0) + d.value::float8)"
