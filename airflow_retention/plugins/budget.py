@@ -157,24 +157,6 @@ class RunBudget:
         return ", ".join(f"{reason} {_seconds(seconds)}" for reason, seconds in ordered)
 
 
-def run_pauses(conn: Any, ledger: Ledger, run_keys: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Seconds paused per reason of each run, summed over its chunks' ``paused``."""
-    if not run_keys:
-        return {}
-    rows = dbapi.fetch_all(
-        conn,
-        f"SELECT c.run_key, d.key, sum(d.value::float8) FROM {ledger.s}.chunks c"
-        " CROSS JOIN LATERAL jsonb_each_text(c.paused) d WHERE c.run_key = ANY(%(keys)s::text[])"
-        " GROUP BY c.run_key, d.key",
-        {"keys": list(run_keys)},
-    )
-    out: dict[str, dict[str, float]] = {}
-    for key, reason, seconds in rows:
-        if seconds:
-            out.setdefault(key, {})[reason] = float(seconds)
-    return out
-
-
 def span_end(run: RunSummary, now: datetime) -> datetime:
     """Where a run's span ends: verified, now while it runs, else its last batch."""
     if run.completed_at is not None:
@@ -287,7 +269,10 @@ def load_budget(
         return None, {}
     ledger = Ledger(policy.ledger_schema)
     budget = budget_view(state, policy)
-    pauses = run_pauses(conn, ledger, [r.run_key for r in runs])
+    pauses = {
+        key: {reason: seconds for reason, seconds in by_reason.items() if seconds}
+        for key, by_reason in ledger.paused_by_run(conn, [r.run_key for r in runs]).items()
+    }
     pressures = run_pressures(conn, ledger, runs, now)
     out: dict[str, RunBudget] = {}
     for run in runs:

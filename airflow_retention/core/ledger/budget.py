@@ -89,9 +89,6 @@ class LedgerBudget(LedgerSchema):
             )
         return (time.perf_counter() - started) * 1000
 
-    def slots_busy(self, conn: Any) -> int:
-        return self.slots(conn)[0]
-
     def slots(self, conn: Any) -> tuple[int, int]:
         """Batch slots held, and sessions queued for one (``wait_slot``)."""
         rows = dbapi.fetch_all(

@@ -100,16 +100,24 @@ class LedgerSlo(LedgerSchema):
     def paused_by_reason(self, conn: Any, run_key: str) -> dict[str, float]:
         """Seconds the chunks of ``run_key`` paused for the budget, by reason, most first (empty on a ledger
         older than version 8)."""
-        if not self._has_budget(conn):
+        return self.paused_by_run(conn, [run_key]).get(run_key, {})
+
+    def paused_by_run(self, conn: Any, run_keys: Sequence[str]) -> dict[str, dict[str, float]]:
+        """:meth:`paused_by_reason` of several runs in one statement, by run key (a run that never paused
+        is left out)."""
+        if not run_keys or not self._has_budget(conn):
             return {}
         rows = dbapi.fetch_all(
             conn,
-            "SELECT d.key, sum(d.value::float8) FROM"
-            f" {self.s}.chunks c, jsonb_each_text(c.paused) d WHERE c.run_key = %(k)s::text"
-            " GROUP BY d.key ORDER BY 2 DESC, 1",
-            {"k": run_key},
+            "SELECT c.run_key, d.key, sum(d.value::float8) FROM"
+            f" {self.s}.chunks c, jsonb_each_text(c.paused) d WHERE c.run_key = ANY (%(keys)s::text[])"
+            " GROUP BY c.run_key, d.key ORDER BY 1, 3 DESC, 2",
+            {"keys": list(run_keys)},
         )
-        return {reason: round(float(seconds), 3) for reason, seconds in rows}
+        out: dict[str, dict[str, float]] = {}
+        for key, reason, seconds in rows:
+            out.setdefault(key, {})[reason] = round(float(seconds), 3)
+        return out
 
     def budget_share(self, conn: Any, since: datetime, until: datetime, *, max_duty: float = 1.0) -> BudgetShare:
         """The budget's observations from ``since`` to ``until``, with the one in force at ``since``: each

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_retention.core.policy.durations import parse_timeout_ms
-from airflow_retention.core.policy.keys import unknown_key_hint
+from airflow_retention.core.policy.keys import setting, settings_kwargs
 
 # YAML key -> attribute, for every key of a ``budget:`` mapping.
 BUDGET_KEYS = {
@@ -90,10 +90,7 @@ class Budget:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"must be a mapping of budget settings, true or false, got {value!r}")
-        unknown = sorted(set(value) - set(BUDGET_KEYS), key=str)
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}{unknown_key_hint(unknown[0], BUDGET_KEYS)}")
-        return cls(**{BUDGET_KEYS[k]: v for k, v in value.items()})
+        return cls(**settings_kwargs(value, BUDGET_KEYS))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in BUDGET_KEYS.items()}
@@ -105,10 +102,10 @@ def _validated(b: Budget) -> dict[str, Any]:
         raise ValueError(f"enabled: must be true or false, got {b.enabled!r}")
     if not isinstance(b.yield_to_autovacuum, bool):
         raise ValueError(f"yield_to_autovacuum: must be true or false, got {b.yield_to_autovacuum!r}")
-    out["period_ms"] = _field("period", parse_timeout_ms, b.period_ms)
+    out["period_ms"] = setting("period", parse_timeout_ms, b.period_ms)
     if out["period_ms"] < 100:
         raise ValueError(f"period: must be at least 100ms, got {b.period_ms!r}")
-    out["max_replica_lag_ms"] = _field("max_replica_lag", parse_timeout_ms, b.max_replica_lag_ms)
+    out["max_replica_lag_ms"] = setting("max_replica_lag", parse_timeout_ms, b.max_replica_lag_ms)
     for name, low, high in (
         ("quiet_periods", 1, 1000),
         ("max_workers", 1, 64),
@@ -129,7 +126,7 @@ def _validated(b: Budget) -> dict[str, Any]:
     for name, key in (("upper_latency_ms", "upper_latency"), ("lower_latency_ms", "lower_latency")):
         value = getattr(b, name)
         if value is not None:
-            out[name] = float(_field(key, parse_timeout_ms, value))
+            out[name] = float(setting(key, parse_timeout_ms, value))
     if (b.upper_latency_ms is None) != (b.lower_latency_ms is None):
         raise ValueError("upper_latency and lower_latency go together: give both or neither")
     if b.upper_latency_ms is not None and out["lower_latency_ms"] >= out["upper_latency_ms"]:
@@ -137,10 +134,3 @@ def _validated(b: Budget) -> dict[str, Any]:
     if b.on_unreadable not in ON_UNREADABLE:
         raise ValueError(f"on_unreadable: must be 'open' or 'closed', got {b.on_unreadable!r}")
     return out
-
-
-def _field(name: str, fn: Any, value: Any) -> Any:
-    try:
-        return fn(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None

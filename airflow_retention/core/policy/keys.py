@@ -4,7 +4,8 @@ ones, and the hint that names the key an unknown one was meant to be."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 REQUIRED_KEYS = ("name", "conn_id", "table", "timestamp_column", "retention")
 # YAML key -> attribute of ``RetentionPolicy``, for the keys whose attribute carries its unit.
@@ -33,3 +34,20 @@ def unknown_key_hint(key: object, known: Iterable[str]) -> str:
     if close:
         return f": did you mean {close[0]!r}?"
     return f" (known keys: {', '.join(sorted(known))})"
+
+
+def settings_kwargs(value: Mapping[Any, Any], keys: Mapping[str, str]) -> dict[str, Any]:
+    """A nested mapping of settings (``throttle:``, ``budget:``) as keyword arguments by attribute; an
+    unknown key fails naming the known one closest to it."""
+    unknown = sorted(set(value) - set(keys), key=str)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r}{unknown_key_hint(unknown[0], keys)}")
+    return {keys[k]: v for k, v in value.items()}
+
+
+def setting(name: str, parse: Callable[[Any], Any], value: Any) -> Any:
+    """``parse(value)``, its error prefixed with the setting's YAML key."""
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None

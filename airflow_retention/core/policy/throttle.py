@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from airflow_retention.core.policy.durations import parse_timeout_ms
-from airflow_retention.core.policy.keys import THROTTLE_KEYS, unknown_key_hint
+from airflow_retention.core.policy.keys import THROTTLE_KEYS, setting, settings_kwargs
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,7 @@ class Throttle:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"must be a mapping of throttle settings, got {value!r}")
-        unknown = sorted(set(value) - set(THROTTLE_KEYS))
-        if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r}{unknown_key_hint(unknown[0], THROTTLE_KEYS)}")
-        return cls(**{THROTTLE_KEYS[k]: v for k, v in value.items()})
+        return cls(**settings_kwargs(value, THROTTLE_KEYS))
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in THROTTLE_KEYS.items()}
@@ -69,27 +66,20 @@ class Throttle:
 def _validated_throttle(t: Throttle) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if t.max_replica_lag_ms is not None:
-        out["max_replica_lag_ms"] = _throttle_field("max_replica_lag", parse_timeout_ms, t.max_replica_lag_ms)
+        out["max_replica_lag_ms"] = setting("max_replica_lag", parse_timeout_ms, t.max_replica_lag_ms)
     if t.max_lock_waiters is not None:
         if isinstance(t.max_lock_waiters, bool) or not isinstance(t.max_lock_waiters, int) or t.max_lock_waiters < 0:
             raise ValueError(f"max_lock_waiters: must be a non-negative integer, got {t.max_lock_waiters!r}")
     if (t.probe is None) != (t.probe_max is None):
         raise ValueError("probe and probe_max go together: give both or neither")
     if t.probe is not None:
-        out["probe"] = _throttle_field("probe", check_probe, t.probe)
+        out["probe"] = setting("probe", check_probe, t.probe)
         if isinstance(t.probe_max, bool) or not isinstance(t.probe_max, (int, float)):
             raise ValueError(f"probe_max: must be a number, got {t.probe_max!r}")
         out["probe_max"] = float(t.probe_max)
-    out["backoff_ms"] = _throttle_field("backoff", parse_timeout_ms, t.backoff_ms)
-    out["give_up_after_ms"] = _throttle_field("give_up_after", parse_timeout_ms, t.give_up_after_ms)
+    out["backoff_ms"] = setting("backoff", parse_timeout_ms, t.backoff_ms)
+    out["give_up_after_ms"] = setting("give_up_after", parse_timeout_ms, t.give_up_after_ms)
     return out
-
-
-def _throttle_field(name: str, fn: Any, value: Any) -> Any:
-    try:
-        return fn(value)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
 
 
 def check_probe(probe: object) -> str:

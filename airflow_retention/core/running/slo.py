@@ -19,6 +19,7 @@ from typing import Any
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.policy.durations import format_window
 from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.verify import CRON_PRESETS
 
 # The complete runs that λ and μ are learnt from, latest cutoff first.
 SAMPLE_RUNS = 8
@@ -27,17 +28,6 @@ FLOOR_SHARE_WARNING = 0.5
 # The window when the policy has no cleanup_window and no cron schedule: a day, as @daily.
 DEFAULT_WINDOW = timedelta(days=1)
 DAY_S = 86_400.0
-# Cron presets, as the scheduler reads them (core/running/verify.py reads the same for missed runs).
-_PRESETS = {
-    "@hourly": "0 * * * *",
-    "@daily": "0 0 * * *",
-    "@midnight": "0 0 * * *",
-    "@weekly": "0 0 * * 0",
-    "@monthly": "0 0 1 * *",
-    "@quarterly": "0 0 1 */3 *",
-    "@yearly": "0 0 1 1 *",
-    "@annually": "0 0 1 1 *",
-}
 
 
 @dataclass(frozen=True)
@@ -201,7 +191,7 @@ def lambda_per_day(sample: list[Any], interval: timedelta) -> float:
 
 def schedule_interval(schedule: str | None) -> timedelta | None:
     """The interval between two runs of a cron schedule (or preset); None for a schedule without one."""
-    expression = _PRESETS.get(schedule or "", schedule or "")
+    expression = CRON_PRESETS.get(schedule or "", schedule or "")
     if not expression or expression.startswith("@"):
         return None
     from croniter import croniter

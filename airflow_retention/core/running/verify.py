@@ -253,7 +253,8 @@ def vacuum_table(conn: Any, policy: RetentionPolicy) -> None:
     dbapi.outside_transaction(conn, f"VACUUM (ANALYZE) {policy.table.sql}")
 
 
-_PRESETS = {
+# Cron presets, as the scheduler reads them (the cleanup SLO's schedule interval reads them too).
+CRON_PRESETS = {
     "@hourly": "0 * * * *",
     "@daily": "0 0 * * *",
     "@midnight": "0 0 * * *",
@@ -268,7 +269,7 @@ _PRESETS = {
 def scheduled_anchors(schedule: str | None, start: datetime, end: datetime) -> list[datetime]:
     """The instants a cron schedule fires in ``[start, end]`` (UTC): the dates its runs stand for, since a
     cron-scheduled Airflow 3 run's logical date is its trigger time. Empty for schedules without a cron."""
-    expression = _PRESETS.get(schedule or "", schedule or "")
+    expression = CRON_PRESETS.get(schedule or "", schedule or "")
     if not expression or expression.startswith("@"):
         return []
     from croniter import croniter
