@@ -241,6 +241,11 @@ class Deployment:
                 "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
                 "AIRFLOW__API_AUTH__JWT_SECRET": uuid.uuid4().hex + uuid.uuid4().hex,
                 "AIRFLOW__CORE__PARALLELISM": "8",
+                # One api-server process. With the default four, uvicorn's supervisor pings each child and kills
+                # one that does not answer within 5 s: on two loaded cores, children still importing Airflow
+                # were killed and respawned for six minutes ("Child process [...] died") and the deployment
+                # never became healthy. One process also leaves the cores to the tests.
+                "AIRFLOW__API__WORKERS": "1",
                 "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
                 "AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL": str(self.parse_interval),
                 "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
