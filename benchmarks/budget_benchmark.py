@@ -338,14 +338,22 @@ def budget_summary(dsn: str, since: datetime) -> dict[str, Any]:
     for o in observations:
         moves[o["move"]] = moves.get(o["move"], 0) + 1
     canary = [o["canary_ms"] for o in observations if o["canary_ms"] is not None]
+    wal = [w for w in map(wal_rate, observations) if w is not None]
     return {
         "observations": len(observations),
         "baseline_ms": round(observations[0]["baseline_ms"], 2),
         "canary_p50_ms": round(statistics.median(canary), 2) if canary else None,
         "canary_max_ms": round(max(canary), 2) if canary else None,
+        "wal_rate_p50_mb_s": round(statistics.median(wal), 2) if wal else None,
+        "wal_rate_max_mb_s": round(max(wal), 2) if wal else None,
         "levels": [o["level"] for o in observations],
         "moves": moves,
     }
+
+
+def wal_rate(observation: dict[str, Any]) -> float | None:
+    """The server's WAL rate (MB/s) an observation read; None before there were two positions."""
+    return ((observation.get("signals") or {}).get("wal_rate") or {}).get("value")
 
 
 def read_observations(dsn: str, since: datetime, until: datetime | None = None) -> list[dict[str, Any]]:
@@ -396,7 +404,9 @@ def step_load(dsn: str, policy: RetentionPolicy, args: argparse.Namespace) -> di
     load = os.getloadavg()[0]
     since = datetime.now(timezone.utc)
     with tempfile.TemporaryDirectory(prefix="budget-step-") as tmp:
-        base = PgBench(dsn, low, Path(tmp), clients=args.pgbench_clients, name="base").start()
+        # A low rate of 0: nobody before the rise, nobody after the fall (the budget at full speed, then
+        # yielding to the foreground that arrives, then back).
+        base = PgBench(dsn, low, Path(tmp), clients=args.pgbench_clients, name="base").start() if low > 0 else None
         extra = PgBench(dsn, high - low, Path(tmp), clients=args.pgbench_clients, seconds=int(fall - rise), name="step")
         time.sleep(WARMUP_S + 0.5)
         started = time.time()
@@ -407,9 +417,12 @@ def step_load(dsn: str, policy: RetentionPolicy, args: argparse.Namespace) -> di
         finally:
             ended = time.time()
             timer.cancel()
-            base.stop()
+            if base is not None:
+                base.stop()
             extra.stop()
-        log = sorted(base.log() + [x for x in extra.log() if x[0] >= extra.started + WARMUP_S])
+        log = sorted(
+            (base.log() if base is not None else []) + [x for x in extra.log() if x[0] >= extra.started + WARMUP_S]
+        )
     observations = read_observations(dsn, since)
     batches = notes.pop("batch_log")
     period_s = policy.budget.period_ms / 1000
@@ -433,6 +446,8 @@ def step_load(dsn: str, policy: RetentionPolicy, args: argparse.Namespace) -> di
             "move": o["move"],
             "canary_ms": o["canary_ms"],
             "baseline_ms": o["baseline_ms"],
+            "wal_mb_s": wal_rate(o),
+            "wal_limit_mb_s": ((o.get("signals") or {}).get("wal_rate") or {}).get("limit"),
             "reasons": list(o["reasons"]),
         }
         for o in observations
@@ -524,9 +539,18 @@ def chart(step: dict[str, Any], path: Path, max_workers: int) -> None:
     axes[1].set_ylim(0, max_workers + 0.5)
     axes[2].step(ts, [o["duty"] for o in obs], where="post", color="tab:orange")
     axes[2].set_ylabel("duty cycle")
-    axes[2].set_ylim(0, 1.05)
+    axes[2].set_yscale("log")  # the ladder's floor is 1 %
+    axes[2].set_ylim(0.008, 1.2)
     axes[3].bar(s["t"], s["rows_per_s"], width=1.0, align="edge", color="tab:green")
     axes[3].set_ylabel("rows deleted / s")
+    wal = axes[3].twinx()
+    seen = [o for o in obs[:-1] if o.get("wal_mb_s") is not None]
+    wal.plot([o["t"] for o in seen], [o["wal_mb_s"] for o in seen], ".-", color="tab:brown", label="WAL MB/s")
+    limits = [o["wal_limit_mb_s"] for o in seen if o.get("wal_limit_mb_s")]
+    if limits:
+        wal.axhline(limits[-1], color="tab:brown", linestyle="--", alpha=0.6, label="max_wal_rate")
+    wal.set_ylabel("server WAL (MB/s)")
+    wal.legend(loc="upper right", fontsize=8)
     axes[3].set_xlabel("seconds since the purge started (an observation every period: the step lines)")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -566,7 +590,8 @@ def print_table(rows: int, alone_by_fg: dict[str, Result], results: list[Result]
         if b:
             print(
                 f"  {r.case} / {r.foreground}: baseline {b['baseline_ms']} ms, canary p50 {b['canary_p50_ms']} ms"
-                f" max {b['canary_max_ms']} ms, moves {b['moves']}, levels {b['levels']}"
+                f" max {b['canary_max_ms']} ms, WAL p50 {b.get('wal_rate_p50_mb_s')} MB/s"
+                f" max {b.get('wal_rate_max_mb_s')} MB/s, moves {b['moves']}, levels {b['levels']}"
             )
 
 
@@ -576,11 +601,11 @@ def markdown(data: dict[str, Any]) -> str:
     alone = data["alone"]
     refs = {r["foreground"]: r for r in data["results"] if r["case"].startswith("a.")}
     lines = [
-        "| case | foreground | s | x (a) | fg p50 ms | fg p99 ms | p99 / alone | paused s, by reason | load |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| case | foreground | s | x (a) | WAL MB | fg p50 ms | fg p99 ms | p99 / alone | paused s, by reason | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for fg, a in alone.items():
-        lines.append(f"| alone (no purge) | {fg} | | | {a['fg_p50_ms']:.2f} | {a['fg_p99_ms']:.2f} | 1 | | |")
+        lines.append(f"| alone (no purge) | {fg} | | | | {a['fg_p50_ms']:.2f} | {a['fg_p99_ms']:.2f} | 1 | | |")
     for r in data["results"]:
         fg, ref = r["foreground"], refs.get(r["foreground"])
         x = f"{r['seconds'] / ref['seconds']:.2f}" if ref else ""
@@ -592,7 +617,8 @@ def markdown(data: dict[str, Any]) -> str:
         paused = ", ".join(f"{k} {v:.0f}" for k, v in (r["notes"].get("paused_s") or {}).items())
         where = "idle database" if fg == "none" else fg
         load = r["notes"].get("load_before", "")
-        lines.append(f"| {r['case']} | {where} | {r['seconds']:.1f} | {x} | {lat} | {paused} | {load} |")
+        wal = f"{r['wal_bytes'] / 2**20:.0f}" if r.get("wal_bytes") is not None else ""
+        lines.append(f"| {r['case']} | {where} | {r['seconds']:.1f} | {x} | {wal} | {lat} | {paused} | {load} |")
     return "\n".join(lines)
 
 

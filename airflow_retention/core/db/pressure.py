@@ -41,6 +41,20 @@ _ARCHIVE_MODE = "SELECT current_setting('archive_mode')"
 _ARCHIVE_BACKLOG = "SELECT count(*)::float8 FROM pg_catalog.pg_ls_archive_statusdir() WHERE name LIKE '%%.ready'"
 # Without pg_read_all_stats another role's vacuum shows a NULL relid: not seen, so autovacuum reads 0.
 _AUTOVACUUM = "SELECT count(*)::float8 FROM pg_catalog.pg_stat_progress_vacuum WHERE relid = %(t)s::regclass"
+# The WAL position, the bytes written since the previous observation's, and the rate at which checkpoints
+# stay timed: a checkpoint is requested once max_wal_size / (1 + checkpoint_completion_target) of WAL is
+# written since the last one, so writing faster than that per checkpoint_timeout forces them back to back.
+_WAL = (
+    "SELECT pg_catalog.pg_current_wal_lsn()::text,"
+    " pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), %(since)s::pg_lsn)::float8,"
+    " pg_catalog.pg_size_bytes(current_setting('max_wal_size'))::float8"
+    " / (1 + current_setting('checkpoint_completion_target')::float8)"
+    " / (SELECT setting::float8 FROM pg_catalog.pg_settings WHERE name = 'checkpoint_timeout')"
+)
+WAL_RATE = "wal_rate"
+# The lower threshold of the WAL rate, as a share of its limit: the band between is the hysteresis.
+WAL_LOWER = 0.7
+MB = 1024.0 * 1024.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,20 @@ class Signal:
     effect: str
     unit: str = ""
     error: str | None = None
+    # Below this the signal counts as quiet (None: below ``limit``); between the two the budget holds.
+    lower: float | None = None
+    # A cost only a foreground pays (the WAL rate's forced checkpoints): ignored while nobody else works.
+    foreground_only: bool = False
+    # Its value grows with the work the budget allows (the WAL rate): a step down goes straight to the
+    # step that brings it under ``lower``, not one step per period.
+    proportional: bool = False
+
+    @property
+    def quiet(self) -> bool:
+        if self.value is None:
+            return True
+        bound = self.lower if self.lower is not None else self.limit
+        return bound is None or self.value <= bound
 
     @property
     def high(self) -> bool:
@@ -61,17 +89,25 @@ class Signal:
     def describe(self) -> str:
         """``lock_waiters 3 > 0``, for logs and the ledger."""
         if self.value is None:
-            return f"{self.name} unreadable ({self.error})"
+            return f"{self.name} unreadable ({self.error})" if self.error else f"{self.name} not measured"
         op = ">" if self.high else "<="
-        limit = f" {op} {_fmt(self.limit)}{self.unit}" if self.limit is not None else ""
-        return f"{self.name} {_fmt(self.value)}{self.unit}{limit}"
+        limit = f" {op} {fmt(self.limit)}{self.unit}" if self.limit is not None else ""
+        return f"{self.name} {fmt(self.value)}{self.unit}{limit}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "limit": self.limit, "effect": self.effect, "error": self.error}
+        out = {"value": self.value, "limit": self.limit, "effect": self.effect, "error": self.error}
+        if self.lower is not None:
+            out["lower"] = self.lower
+        return out
 
 
-def _fmt(value: float) -> str:
-    return f"{value:.1f}" if value != int(value) else f"{int(value)}"
+def fmt(value: float | None) -> str:
+    """A signal's value or threshold as logs show it: ``3``, ``2.5``."""
+    if value is None:
+        return "?"
+    if value == int(value):
+        return f"{int(value)}"
+    return f"{value:.2g}" if abs(value) < 1 else f"{value:.1f}"
 
 
 def read_signals(conn: Any, policy: RetentionPolicy) -> list[Signal]:
@@ -93,6 +129,48 @@ def read_signals(conn: Any, policy: RetentionPolicy) -> list[Signal]:
     if policy.throttle.probe is not None:
         signals.append(_read(conn, policy, "probe", STEP, _one(policy.throttle.probe, None, policy.throttle.probe_max)))
     return signals
+
+
+def read_wal_rate(
+    conn: Any, policy: RetentionPolicy, since_lsn: str | None, elapsed_s: float | None
+) -> tuple[Signal, str | None]:
+    """The server's WAL rate (MB/s) since the previous observation (its position ``since_lsn``, ``elapsed_s``
+    ago), against ``max_wal_rate``, and the position now. No previous observation: recorded, no value yet.
+
+    Checkpoints forced back to back are what a purge's WAL costs the application: each one ends in fsyncs
+    that stall every commit for up to hundreds of milliseconds on a small disk (docs/performance.md). A
+    cost the application pays only if there is one: the controller ignores it while nobody else works.
+    """
+    setting = policy.budget.max_wal_rate
+    if setting is None:
+        return Signal(WAL_RATE, None, None, RECORD, "MB/s"), None
+    lsn_row: list[Any] = []
+
+    def read(cur: Any) -> tuple[float | None, float]:
+        cur.execute(_WAL, {"since": since_lsn or "0/0"})
+        lsn, written, auto = cur.fetchone()
+        lsn_row.append(lsn)
+        limit = auto / MB if setting == "auto" else float(setting)
+        if since_lsn is None or not elapsed_s or elapsed_s <= 0:
+            return None, limit  # one position: a rate from the next observation on
+        return max(0.0, written) / MB / elapsed_s, limit
+
+    signal = _read(conn, policy, WAL_RATE, STEP, read, unit="MB/s")
+    # Not measured yet, or unread (a standby has no WAL position of its own): recorded, never a step down.
+    effect = signal.effect if signal.value is not None else RECORD
+    lower = signal.limit * WAL_LOWER if signal.limit is not None else None
+    rate = Signal(
+        WAL_RATE,
+        signal.value,
+        signal.limit,
+        effect,
+        "MB/s",
+        signal.error,
+        lower=lower,
+        foreground_only=True,
+        proportional=True,
+    )
+    return rate, lsn_row[0] if lsn_row else None
 
 
 def _read(conn: Any, policy: RetentionPolicy, name: str, effect: str, reader: Any, unit: str = "") -> Signal:

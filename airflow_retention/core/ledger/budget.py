@@ -89,6 +89,24 @@ class LedgerBudget(LedgerSchema):
             )
         return (time.perf_counter() - started) * 1000
 
+    def wal_mark(self, conn: Any, window_s: float) -> tuple[str, float] | None:
+        """Where the WAL rate is measured from: the WAL position and age (seconds) of the newest observation
+        at least ``window_s`` old, else of the oldest younger one; observations older than three windows
+        belong to purges that ended. None: no observation in that span."""
+        rows = dbapi.fetch_all(
+            conn,
+            f"SELECT signals -> 'wal_rate' ->> 'lsn', extract(epoch FROM clock_timestamp() - at)::float8"
+            f" FROM {self.s}.budget_observations WHERE scope = %(scope)s"
+            " AND at >= clock_timestamp() - make_interval(secs => 3 * %(w)s::float8)"
+            " AND signals -> 'wal_rate' ->> 'lsn' IS NOT NULL ORDER BY at",
+            {"scope": SCOPE, "w": window_s},
+        )
+        if not rows:
+            return None
+        old = [r for r in rows if r[1] >= window_s]
+        lsn, age = old[-1] if old else rows[0]
+        return lsn, float(age)
+
     def slots(self, conn: Any) -> tuple[int, int]:
         """Batch slots held, and sessions queued for one (``wait_slot``)."""
         rows = dbapi.fetch_all(

@@ -25,6 +25,7 @@ BUDGET_KEYS = {
     "max_replica_lag": "max_replica_lag_ms",
     "max_archive_backlog": "max_archive_backlog",
     "yield_to_autovacuum": "yield_to_autovacuum",
+    "max_wal_rate": "max_wal_rate",
     "on_unreadable": "on_unreadable",
 }
 ON_UNREADABLE = ("open", "closed")
@@ -56,6 +57,10 @@ class Budget:
     :param max_replica_lag_ms: (YAML ``max_replica_lag``) standby replay lag above which batches pause.
     :param max_archive_backlog: WAL segments waiting for ``archive_command`` above which batches pause.
     :param yield_to_autovacuum: step down while autovacuum works on the target table (recorded either way).
+    :param max_wal_rate: the server's WAL rate (MB/s) above which the budget steps down while another
+        session works: ``"auto"`` (the rate at which checkpoints stay timed, ``max_wal_size / (1 +
+        checkpoint_completion_target) / checkpoint_timeout``: faster forces them back to back, and their
+        fsyncs stall the application's commits), a number, or ``false`` (recorded only). Quiet below 70 % of it.
     :param on_unreadable: ``"open"``: a signal this role cannot read is reported and ignored; ``"closed"``:
         it counts as above its upper threshold.
     """
@@ -73,6 +78,7 @@ class Budget:
     max_replica_lag_ms: int = 30_000
     max_archive_backlog: int = 42
     yield_to_autovacuum: bool = False
+    max_wal_rate: float | str | None = "auto"
     on_unreadable: str = "open"
 
     def __post_init__(self) -> None:
@@ -131,6 +137,17 @@ def _validated(b: Budget) -> dict[str, Any]:
         raise ValueError("upper_latency and lower_latency go together: give both or neither")
     if b.upper_latency_ms is not None and out["lower_latency_ms"] >= out["upper_latency_ms"]:
         raise ValueError("lower_latency must be below upper_latency: the band between is the hysteresis")
+    out["max_wal_rate"] = _wal_rate(b.max_wal_rate)
     if b.on_unreadable not in ON_UNREADABLE:
         raise ValueError(f"on_unreadable: must be 'open' or 'closed', got {b.on_unreadable!r}")
     return out
+
+
+def _wal_rate(value: object) -> float | str | None:
+    if value is None or value is False or value == "off":
+        return None
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 100_000:
+        raise ValueError(f"max_wal_rate: must be 'auto', false or MB/s above 0, got {value!r}")
+    return float(value)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from airflow_retention.core.db.pressure import Signal, read_signals
+from airflow_retention.core.db.pressure import WAL_RATE, Signal, read_signals, read_wal_rate
 from airflow_retention.core.errors import RetryableError
 from airflow_retention.core.ledger.budget import BudgetState
 from airflow_retention.core.ledger.ledger import Ledger
@@ -35,6 +35,10 @@ BASELINE_WAIT_S = 0.05
 # A state nobody observed for this long belongs to purges that ended: the next one starts the budget
 # afresh (its baseline measured before its first batch, from the starting step).
 STALE_PERIODS = 10
+# The WAL rate is measured over this many periods (or since the first observation, when younger): one
+# batch at the floor writes its WAL in a fraction of a period and rests for many, so a rate over one
+# period is that batch's or nothing; the checkpoints it must stay under are minutes apart.
+WAL_WINDOW_PERIODS = 10
 STALE_MIN_S = 60.0
 
 
@@ -194,6 +198,7 @@ class SharedBudget:
     def _observe(self, conn: Any, state: BudgetState) -> BudgetState:
         stale = state.age_s is None or state.age_s > max(STALE_MIN_S, STALE_PERIODS * self.period_s)
         busy, queued = self.ledger.slots(conn)
+        foreground = self.ledger.foreground_sessions(conn, self.period_s)
         level, quiet, baseline, new_baseline = state.level, state.quiet, state.baseline_ms, False
         if stale or baseline is None:
             # A budget starting afresh: the baseline is the foreground alone, before this purge's first batch.
@@ -207,11 +212,12 @@ class SharedBudget:
             level, quiet = start_level(), 0
         assert baseline is not None
         canary = self._canary(conn, CANARY_SAMPLES)
-        signals = self.read(conn, self.policy)
+        mark = None if stale else self.ledger.wal_mark(conn, WAL_WINDOW_PERIODS * self.period_s)
+        wal, lsn = read_wal_rate(conn, self.policy, *(mark or (None, None)))
+        signals = [*self.read(conn, self.policy), wal]
         free = _free_connections(signals, busy)
         # The observer wants a slot too (it observes from admit(), holding none).
         demand = busy + queued + 1
-        foreground = self.ledger.foreground_sessions(conn, self.period_s)
         decision = decide(
             self.settings,
             level,
@@ -246,18 +252,23 @@ class SharedBudget:
                 "foreground_sessions": {"value": foreground, "limit": None, "effect": "record", "error": None},
                 "batch_demand": {"value": demand, "limit": None, "effect": "record", "error": None},
                 **{s.name: s.to_dict() for s in signals},
+                WAL_RATE: {**wal.to_dict(), "lsn": lsn},
             },
             reasons=decision.reasons,
             causes=causes,
             observer=self.observer,
         )
         for signal in signals:
-            if signal.value is None and signal.name not in self._unreadable:
+            if signal.value is None and signal.error and signal.name not in self._unreadable:
                 self._unreadable.add(signal.name)  # once per attempt: the observations record every period
                 log.warning("%s: pressure signal %s (on_unreadable: %s)", self.label, signal.describe(),
                             self.settings.on_unreadable)  # fmt: skip
         if decision.move != "hold" or new_baseline:
-            log.info(
+            # Held down at the floor period after period: said once, when it gets there (the observations
+            # record every period's reasons).
+            floored = decision.move == "down" and decision.level == level and not new_baseline
+            log.log(
+                logging.DEBUG if floored else logging.INFO,
                 "%s: database budget %s: %s; canary %.1f ms (baseline %.1f ms)%s",
                 self.label,
                 {"up": "up", "down": "down", "pause": "paused", "hold": "starts at"}[decision.move],

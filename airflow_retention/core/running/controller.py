@@ -2,14 +2,17 @@
 purges may use next period. Plain functions of their inputs (no clock, no database), so that the
 hysteresis is tested with fake signals.
 
-The budget is a ladder of steps, from the floor (one batch at a time, busy a tenth of the time) through
+The budget is a ladder of steps, from the floor (one batch at a time, busy 1 % of the time) through
 longer duty cycles to more batches at once (:func:`ladder`). The controller moves at most one step per
 observation period:
 
 - down one step in the period the canary's latency crosses its upper threshold or a signal whose effect
-  is ``step`` is above its limit (promptly: no waiting for a second look);
+  is ``step`` is above its limit (promptly: no waiting for a second look); a signal that grows with the
+  work allowed (the WAL rate) takes it straight to the step whose share of the work brings the signal
+  under its lower threshold;
 - up one step only after ``quiet_periods`` periods in a row with the latency below the lower threshold and
-  every signal below its limit (slowly: a foreground that comes back is not chased);
+  every signal below its limit, or its own lower threshold where it has one (the WAL rate): slowly, so that
+  a foreground that comes back is not chased;
 - held in between (the band between the thresholds is the hysteresis);
 - paused, with its step kept, while a signal whose effect is ``pause`` is above its limit (a standby's
   replay lag, the WAL archive's backlog);
@@ -22,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from airflow_retention.core.db.pressure import PAUSE, STEP, Signal
+from airflow_retention.core.db.pressure import PAUSE, STEP, Signal, fmt
 from airflow_retention.core.policy.budget import Budget
 
 # The duty cycles of one batch at a time, below the full one; from there, one more batch at a time per step.
-DUTY_STEPS = (0.1, 0.2, 0.35, 0.5, 0.75)
+# The floor is low: beside pgbench, a purge must write WAL at about 1 % of its full speed for checkpoints to
+# stay timed (docs/performance.md, "The database budget").
+DUTY_STEPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
 # Thresholds relative to a baseline of a millisecond or two would trip on the noise of one sample: the
 # upper threshold is at least this far above the baseline, the lower one at least LOWER_MARGIN_MS.
 UPPER_MARGIN_MS = 1.5
@@ -51,8 +56,7 @@ def ladder(max_workers: int) -> list[Step]:
 
 
 def start_level() -> int:
-    """Where a budget starts: one batch at a time, full duty (one worker beside a busy foreground measured
-    no worse than idle; docs/performance.md)."""
+    """One batch at a time, full duty: where a budget starts on a database nobody else works on."""
     return len(DUTY_STEPS)
 
 
@@ -112,7 +116,8 @@ def decide(
         earned, not from a level nobody used.
     :param foreground: other client sessions busy in the last period (None: unknown). With none, the
         canary's latency is the purges' own (their WAL flushed before its commit) and nobody pays it: it
-        does not lower the budget, so that a purge on an idle database runs at full speed.
+        does not lower the budget, and neither do the signals marked ``foreground_only`` (the WAL rate),
+        so that a purge on an idle database runs at full speed.
     """
     steps = ladder(budget.max_workers)
     level = max(0, min(level, len(steps) - 1))
@@ -125,6 +130,9 @@ def decide(
     if pausing:
         why = tuple(_why(s) for s in pausing)
         return Decision(level, steps[level], 0, True, "pause", why, tuple(s.name for s in pausing))
+    if foreground == 0:
+        # Nobody else works: a cost only a foreground pays (forced checkpoints) is nobody's.
+        signals = [s for s in signals if not s.foreground_only]
     stepping = [s for s in signals if s.effect == STEP and (s.high or (closed and s.value is None))]
     reasons = [_why(s) for s in stepping]
     causes = [s.name for s in stepping]
@@ -138,9 +146,11 @@ def decide(
         reasons.append(f"{CANARY} {canary_ms:.1f} ms > {limits.upper_ms:.1f} ms (baseline {baseline_ms:.1f} ms)")
         causes.append(CANARY)
     if reasons:
-        level = max(0, level - 1)
+        level = min([level - 1, *(_level_for(steps, level, s) for s in stepping if s.proportional)])
+        level = max(0, level)
         return Decision(level, steps[level], 0, False, "down", tuple(reasons), tuple(causes))
-    if canary_ms is None or canary_ms < limits.lower_ms:
+    loud = [s for s in signals if s.effect == STEP and not s.quiet]
+    if (canary_ms is None or canary_ms < limits.lower_ms) and not loud:
         quiet += 1
         if quiet >= budget.quiet_periods and level + 1 < len(steps):
             ceiling = max(1, int(free_connections)) if free_connections is not None else None
@@ -150,8 +160,20 @@ def decide(
                 return Decision(level + 1, steps[level + 1], 0, False, "up")
         return Decision(level, steps[level], quiet, False, "hold")
     # Inside the band: neither calm enough to grow nor loud enough to shrink.
-    band = f"{CANARY} {canary_ms:.1f} ms between {limits.lower_ms:.1f} and {limits.upper_ms:.1f} ms"
-    return Decision(level, steps[level], 0, False, "hold", (band,), ())
+    band = [f"{s.name} {fmt(s.value)}{s.unit} between {fmt(s.lower)} and {fmt(s.limit)}{s.unit}" for s in loud]
+    if canary_ms is not None and canary_ms >= limits.lower_ms:
+        band.insert(0, f"{CANARY} {canary_ms:.1f} ms between {limits.lower_ms:.1f} and {limits.upper_ms:.1f} ms")
+    return Decision(level, steps[level], 0, False, "hold", tuple(band), ())
+
+
+def _level_for(steps: Sequence[Step], level: int, signal: Signal) -> int:
+    """The highest step whose work (batches at once × duty cycle) brings a signal that grows with it from
+    its value under its lower threshold, at the work of ``level``."""
+    if signal.value is None or not signal.value or signal.lower is None:
+        return level - 1
+    work = steps[level].concurrency * steps[level].duty * signal.lower / signal.value
+    fits = [i for i, s in enumerate(steps[:level]) if s.concurrency * s.duty <= work]
+    return fits[-1] if fits else 0
 
 
 def _why(signal: Signal) -> str:

@@ -25,6 +25,13 @@ def test_the_budget_is_on_by_default_with_its_defaults() -> None:
     assert build(budget=None).budget == Budget() and build(budget=True).budget == Budget()
 
 
+@pytest.mark.parametrize(("value", "read"), [(None, "auto"), ("auto", "auto"), (12, 12.0), (2.5, 2.5), (False, None)])
+def test_max_wal_rate_is_auto_a_rate_or_off(value: object, read: object) -> None:
+    policy = build(budget={} if value is None else {"max_wal_rate": value})
+    assert policy.budget.max_wal_rate == read
+    assert build(budget=policy.budget.to_dict()).budget == policy.budget
+
+
 @pytest.mark.parametrize("off", [False, "off", {"enabled": False}])
 def test_false_turns_the_budget_off(off: object) -> None:
     policy = build(budget=off)
@@ -79,6 +86,8 @@ def test_budget_settings_are_read_and_round_trip() -> None:
         ({"quiet_periods": 0}, "quiet_periods: must be an integer from 1 to 1000, got 0"),
         ({"quiet_periods": True}, "quiet_periods: must be an integer from 1 to 1000, got True"),
         ({"max_workers": 0}, "max_workers: must be an integer from 1 to 64, got 0"),
+        ({"max_wal_rate": "fast"}, "max_wal_rate: must be 'auto', false or MB/s above 0, got 'fast'"),
+        ({"max_wal_rate": 0}, "max_wal_rate: must be 'auto', false or MB/s above 0, got 0"),
         ({"max_workers": 65}, "max_workers: must be an integer from 1 to 64, got 65"),
         ({"max_workers": "2"}, "max_workers: must be an integer from 1 to 64, got '2'"),
         ({"connection_reserve": -1}, "connection_reserve: must be an integer from 0 to 10000"),

@@ -464,6 +464,47 @@ def test_a_second_policy_carries_on_the_budget_the_first_one_observed(db: Any, s
     assert scalar(db, f'SELECT count(*) FROM "{schema}_ledger".budget_state') == 1
 
 
+def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """The purge's WAL against a max_wal_rate it cannot stay below, while another session works: the budget
+    steps down, saying so, and each observation keeps the WAL position the next one measures from."""
+    table = events(db, schema, count=6000)
+    policy = make_policy(schema, batch_size=100, budget={**BUDGET, "max_wal_rate": 0.05})
+    plan = make_plan(db, policy)
+    foreground = _admin(budget_dsn)
+    pid = foreground.get_backend_pid()
+
+    def busy() -> None:
+        try:
+            rows(foreground, "SELECT pg_sleep(60)")
+        except Exception:  # noqa: BLE001 - cancelled below
+            pass
+
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    try:
+        with closing(connect("psycopg", budget_dsn)) as conn:
+            result = run_chunk(conn, policy, CUTOFF, plan.chunks[0], on_batch=lambda r: time.sleep(0.01))
+    finally:
+        rows(db, "SELECT pg_cancel_backend(%(p)s)", {"p": pid})
+        worker.join(10)
+        foreground.close()
+    seen = rows(
+        db,
+        "SELECT move, reasons, (signals -> 'wal_rate' ->> 'value')::float8, signals -> 'wal_rate' ->> 'lsn'"
+        f' FROM "{policy.ledger_schema}".budget_observations ORDER BY at',
+    )
+    assert len(seen) >= 3, seen
+    assert all(lsn for *_, lsn in seen)
+    assert seen[0][2] is None  # the first observation has one position, no rate yet
+    downs = [s for s in seen if s[0] == "down"]
+    assert downs and all(any(r.startswith("wal_rate ") and "> 0.05MB/s" in r for r in s[1]) for s in downs), seen
+    assert all(s[2] > 0.05 for s in downs)
+    assert result.paused.get("wal_rate", 0) > 0, result.paused
+    assert eligible_ids(db, table) == []
+
+
 # -- pauses per reason ------------------------------------------------------------------------------
 
 

@@ -99,10 +99,10 @@ def test_down_one_step_in_the_period_the_latency_crosses_the_upper_threshold() -
     assert (d.move, d.level, d.quiet, d.paused) == ("down", TOP - 1, 0, False)
     assert d.causes == (CANARY,)
     assert d.reasons == (f"{CANARY} 9.0 ms > 4.0 ms (baseline 2.0 ms)",)
-    # Every loud period one step more, down to the floor (one batch, busy a tenth of the time), and it stays.
+    # Every loud period one step more, down to the floor (one batch, busy 1 % of the time), and it stays.
     moves = p.run([LOUD] * 20)
     assert moves[: TOP - 1] == ["down"] * (TOP - 1)
-    assert p.level == 0 and p.decisions[-1].step == Step(1, 0.1)
+    assert p.level == 0 and p.decisions[-1].step == Step(1, 0.01)
     assert p.period(LOUD).level == 0
 
 
@@ -238,3 +238,51 @@ def test_with_no_foreground_the_canary_neither_lowers_nor_holds_the_budget() -> 
     # Other signals still count with nobody there.
     d = decide(p.budget, start_level(), 0, LOUD, BASELINE, [high("lock_waiters")], foreground=0)
     assert (d.move, d.causes) == ("down", ("lock_waiters",))
+
+
+def wal(mb_s: float, limit: float = 10.0) -> Signal:
+    return Signal("wal_rate", mb_s, limit, STEP, "MB/s", lower=limit * 0.7, foreground_only=True, proportional=True)
+
+
+def test_the_wal_rate_steps_down_above_its_limit_holds_in_its_band_and_is_quiet_below() -> None:
+    """Above max_wal_rate with someone working: down (checkpoints forced back to back stall their commits);
+    between 70 % and the limit: hold, saying why; below: quiet, so the budget climbs."""
+    budget = Budget(quiet_periods=1)
+    d = decide(budget, start_level(), 0, QUIET, BASELINE, [wal(12.0)], foreground=3)
+    # Straight to the step whose work brings it under 7 MB/s: 7/12 of full duty, so 0.5.
+    assert (d.move, d.step, d.causes) == ("down", Step(1, 0.5), ("wal_rate",))
+    assert d.reasons == ("wal_rate 12MB/s > 10MB/s",)
+    d = decide(budget, start_level(), 0, QUIET, BASELINE, [wal(8.0)], foreground=3)
+    assert (d.move, d.level, d.quiet) == ("hold", start_level(), 0)
+    assert d.reasons == ("wal_rate 8MB/s between 7 and 10MB/s",)
+    d = decide(budget, start_level(), 0, QUIET, BASELINE, [wal(6.5)], foreground=3, demand=2)
+    assert (d.move, d.level) == ("up", start_level() + 1)
+
+
+def test_the_wal_rate_is_nobodys_cost_on_an_idle_database() -> None:
+    """No other session works: forced checkpoints stall nobody, the purge keeps its speed."""
+    budget = Budget(quiet_periods=1)
+    d = decide(budget, start_level(), 0, QUIET, BASELINE, [wal(50.0)], foreground=0, demand=2)
+    assert (d.move, d.level) == ("up", start_level() + 1)
+    # Unknown foreground (None): counted, as anyone might be there.
+    d = decide(budget, start_level(), 0, QUIET, BASELINE, [wal(50.0)], foreground=None)
+    assert d.move == "down"
+
+
+def test_a_wal_rate_far_above_its_limit_goes_straight_to_the_step_that_fits_it() -> None:
+    """The WAL rate grows with the work allowed: at full duty, 40 MB/s against a limit of 10 (lower 7) needs
+    at most 7/40 of the work: the highest step at or below it (duty 0.1), in one period."""
+    d = decide(Budget(), start_level(), 0, QUIET, BASELINE, [wal(40.0)], foreground=2)
+    assert d.move == "down" and d.step == Step(1, 0.1)
+    # From 4 batches at once, 15 MB/s: 7/15 of 4 is 1.87 batches: one batch at full duty.
+    d = decide(Budget(), TOP, 0, QUIET, BASELINE, [wal(15.0)], foreground=2)
+    assert d.step == Step(1, 1.0)
+    # Just above, at 4 batches: 7/10.5 of 4 is 2.67 batches: two at once (the lower threshold is the aim).
+    d = decide(Budget(), TOP, 0, QUIET, BASELINE, [wal(10.5)], foreground=2)
+    assert d.step == Step(2, 1.0)
+    # At most the step below, however little above: 10.1 MB/s at two batches: one step.
+    d = decide(Budget(), start_level() + 1, 0, QUIET, BASELINE, [wal(10.1, limit=10.0)], foreground=2)
+    assert d.step == Step(1, 1.0)
+    # Far above, from the floor's neighbour: the floor.
+    d = decide(Budget(), 1, 0, QUIET, BASELINE, [wal(1000.0)], foreground=2)
+    assert d.level == 0
