@@ -7,9 +7,9 @@ longer duty cycles to more batches at once (:func:`ladder`). The controller move
 observation period:
 
 - down one step in the period the canary's latency crosses its upper threshold or a signal whose effect
-  is ``step`` is above its limit (promptly: no waiting for a second look); a signal that grows with the
-  work allowed (the WAL rate) takes it straight to the step whose share of the work brings the signal
-  under its lower threshold;
+  is ``step`` is above its limit (promptly: no waiting for a second look), down to :data:`SIGNAL_FLOOR`;
+  a signal that grows with the work allowed (the WAL rate) takes it straight to the step whose share of
+  the work brings the signal under its lower threshold, as low as the floor;
 - up one step only after ``quiet_periods`` periods in a row with the latency below the lower threshold and
   every signal below its limit, or its own lower threshold where it has one (the WAL rate): slowly, so that
   a foreground that comes back is not chased;
@@ -32,6 +32,10 @@ from airflow_retention.core.policy.budget import Budget
 # The floor is low: beside pgbench, a purge must write WAL at about 1 % of its full speed for checkpoints to
 # stay timed (docs/performance.md, "The database budget").
 DUTY_STEPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
+# The lowest step the canary and the other signals step down to (busy 10 %): the steps below it are the WAL
+# rate's, whose value says how far down it must go. The canary's latency says only that the purge should
+# do less: on a loaded test machine it held purges at 1 % for minutes where 10 % had been enough.
+SIGNAL_FLOOR = DUTY_STEPS.index(0.1)
 # Thresholds relative to a baseline of a millisecond or two would trip on the noise of one sample: the
 # upper threshold is at least this far above the baseline, the lower one at least LOWER_MARGIN_MS.
 UPPER_MARGIN_MS = 1.5
@@ -146,8 +150,10 @@ def decide(
         reasons.append(f"{CANARY} {canary_ms:.1f} ms > {limits.upper_ms:.1f} ms (baseline {baseline_ms:.1f} ms)")
         causes.append(CANARY)
     if reasons:
-        level = min([level - 1, *(_level_for(steps, level, s) for s in stepping if s.proportional)])
-        level = max(0, level)
+        proportional = [_level_for(steps, level, s) for s in stepping if s.proportional]
+        # One step down, not below SIGNAL_FLOOR (a budget the WAL rate took below it stays where it is).
+        down = max(level - 1, min(level, SIGNAL_FLOOR)) if len(proportional) < len(reasons) else level
+        level = max(0, min([down, *proportional]))
         return Decision(level, steps[level], 0, False, "down", tuple(reasons), tuple(causes))
     loud = [s for s in signals if s.effect == STEP and not s.quiet]
     if (canary_ms is None or canary_ms < limits.lower_ms) and not loud:

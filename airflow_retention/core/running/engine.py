@@ -172,6 +172,8 @@ def walk(run: ChunkRun, walker: Walker, statement: BatchStatement, progress: Pro
         while True:
             run.throttler.wait_until_calm(run.conn)
             run.budget.admit(run.conn)  # a batch slot of the database budget, held until after the rest
+            if run.budget.enabled:
+                run.pacer.aim_for(run.budget.duty(), run.budget.period_s)
             size = run.pacer.next_size(run.conn)
             try:
                 done = _batch(run, walker, statement, progress, size)

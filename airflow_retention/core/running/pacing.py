@@ -46,6 +46,10 @@ CONFLICT_BACKOFF_CAP_S = 1.0
 # to a page after a checkpoint writes the whole 8 kB page to the WAL; measured on block chunks at 10M
 # rows, batches aiming at 200 ms took 637 and 1,430 ms there. The cap catches what a quarter misses.
 FULL_PAGE_SHRINK = 4
+# At a low duty cycle batches aim shorter, so that the rest after each is at most one budget period: the
+# same share of the time in smaller pieces. At 1 % a 300 ms batch wrote ~25 MB of WAL in one burst, then
+# rested 30 s, and the foreground's commits that met the burst waited behind it (docs/performance.md).
+SHORTEST_AIM_MS = 10
 
 
 class BatchSizer:
@@ -220,6 +224,12 @@ class Pacer:
     sleep: Callable[[float], None] = time.sleep
     label: str = ""
     cut: list[float] = field(default_factory=list)
+    # The policy's target_batch_ms: the sizer's aim is at most this (:meth:`aim_for`), the statement cap
+    # always this.
+    target_ms: int = 0
+
+    def __post_init__(self) -> None:
+        self.target_ms = self.target_ms or self.sizer.target_ms
 
     @classmethod
     def for_policy(
@@ -245,12 +255,24 @@ class Pacer:
             return size
         return max(self.sizer.smallest, size // self.watch.factor(conn, size, self.sizer.target_ms))
 
+    def aim_for(self, duty: float, longest_rest_s: float) -> None:
+        """Aim the batches at the policy's target, or shorter at a low ``duty`` cycle: short enough that
+        the rest after each is at most ``longest_rest_s`` (the budget's period), down to
+        :data:`SHORTEST_AIM_MS`. The statement cap stays the target's: a batch sized for the old aim is
+        not cancelled for the new one, the next one is sized for it."""
+        if not self.target_ms:
+            return
+        aim = self.target_ms
+        if duty < 1:
+            aim = min(aim, max(SHORTEST_AIM_MS, int(longest_rest_s * 1000 * duty / (1 - duty))))
+        self.sizer.target_ms = aim
+
     def statement_timeout(self, size: int) -> int:
         """The batch's ``statement_timeout``: the policy's, capped at :data:`STATEMENT_CAP` times the
         target unless the batch is as small as it may get (then a cut could not help)."""
-        if not self.sizer.target_ms or size <= self.sizer.smallest:
+        if not self.target_ms or size <= self.sizer.smallest:
             return self.statement_timeout_ms
-        return min(self.statement_timeout_ms, max(1, int(self.sizer.target_ms * STATEMENT_CAP)))
+        return min(self.statement_timeout_ms, max(1, int(self.target_ms * STATEMENT_CAP)))
 
     def observe(self, ms: float, *, full: bool, size: int) -> int:
         return self.sizer.observe(ms, full=full, size=size)

@@ -600,7 +600,9 @@ def test_a_worker_that_gets_its_slot_as_give_up_after_runs_out_keeps_it_and_goes
             while not rows(
                 holder,
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-                " AND classid = %(k)s::bigint::oid",
+                " AND classid = %(k)s::bigint::oid"
+                # This database's: other tests' workers queue on slots of their own databases.
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
                 {"k": SLOT_CLASS},
             )[0][0]:
                 assert time.monotonic() < deadline

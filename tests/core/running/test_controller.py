@@ -14,6 +14,7 @@ from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.running.controller import (
     CANARY,
     DUTY_STEPS,
+    SIGNAL_FLOOR,
     Decision,
     Step,
     Thresholds,
@@ -99,11 +100,18 @@ def test_down_one_step_in_the_period_the_latency_crosses_the_upper_threshold() -
     assert (d.move, d.level, d.quiet, d.paused) == ("down", TOP - 1, 0, False)
     assert d.causes == (CANARY,)
     assert d.reasons == (f"{CANARY} 9.0 ms > 4.0 ms (baseline 2.0 ms)",)
-    # Every loud period one step more, down to the floor (one batch, busy 1 % of the time), and it stays.
+    # Every loud period one step more, down to the signals' floor (one batch, busy 10 % of the time), and
+    # it stays: the steps below are the WAL rate's.
     moves = p.run([LOUD] * 20)
     assert moves[: TOP - 1] == ["down"] * (TOP - 1)
-    assert p.level == 0 and p.decisions[-1].step == Step(1, 0.01)
-    assert p.period(LOUD).level == 0
+    assert p.level == SIGNAL_FLOOR and p.decisions[-1].step == Step(1, 0.1)
+    assert p.period(LOUD).level == SIGNAL_FLOOR
+    # Below it (the WAL rate took it there), a loud canary holds it where it is.
+    d = decide(Budget(), 1, 0, LOUD, BASELINE, [])
+    assert (d.move, d.level) == ("down", 1)
+    # Both at once: the WAL rate's step, however far.
+    d = decide(Budget(), start_level(), 0, LOUD, BASELINE, [wal(400.0)], foreground=2)
+    assert d.level == 0 and set(d.causes) == {CANARY, "wal_rate"}
 
 
 def test_a_step_signal_above_its_limit_steps_down_and_a_record_signal_does_not() -> None:

@@ -56,6 +56,26 @@ def test_a_slow_batch_shrinks_the_next_one_at_once_by_its_whole_ratio() -> None:
     assert sizer.observe(100_000, full=True) == 10  # never below the smallest
 
 
+def test_at_a_low_duty_cycle_batches_aim_short_enough_to_rest_at_most_a_period() -> None:
+    """Busy 1 % of the time with a 2 s period: a 200 ms batch would rest 19.8 s; aimed at 20 ms it rests
+    2 s, the same share in pieces a tenth the size. The statement cap stays the policy target's."""
+    pacer = Pacer(sizer=BatchSizer(10_000, 10, 100_000, 200), statement_timeout_ms=60_000, sleep=lambda s: None)
+    pacer.aim_for(0.01, 2.0)
+    assert pacer.sizer.target_ms == 20
+    assert pacer.observe(200, full=True, size=10_000) == 1000  # ten times the aim: a tenth
+    assert pacer.rest(20, 0.01) == pytest.approx(1.98)
+    assert pacer.statement_timeout(1000) == 300  # 1.5x the policy's 200 ms, not the aim's
+    pacer.aim_for(0.5, 2.0)
+    assert pacer.sizer.target_ms == 200  # 2 s of rest fit a 2 s batch: the policy's target
+    pacer.aim_for(1.0, 2.0)
+    assert pacer.sizer.target_ms == 200
+    pacer.aim_for(0.0001, 2.0)
+    assert pacer.sizer.target_ms == 10  # never below SHORTEST_AIM_MS
+    fixed = Pacer(sizer=BatchSizer(10_000, 10, 100_000, 0), statement_timeout_ms=60_000, sleep=lambda s: None)
+    fixed.aim_for(0.01, 2.0)
+    assert fixed.sizer.target_ms == 0  # a fixed batch size stays fixed
+
+
 def test_a_batch_cut_by_the_checkpoint_watch_is_measured_at_its_own_size() -> None:
     sizer = BatchSizer(8000, 10, 100_000, 200)
     # The watch cut a batch to 2,000 rows and it still took 400 ms: the rate is 2,000 per 400 ms.
