@@ -141,21 +141,19 @@ def read_wal_rate(
     that stall every commit for up to hundreds of milliseconds on a small disk (docs/performance.md). A
     cost the application pays only if there is one: the controller ignores it while nobody else works.
     """
-    setting = policy.budget.max_wal_rate
-    if setting is None:
-        return Signal(WAL_RATE, None, None, RECORD, "MB/s"), None
+    setting = policy.budget.max_wal_rate  # None (false): recorded only
     lsn_row: list[Any] = []
 
-    def read(cur: Any) -> tuple[float | None, float]:
+    def read(cur: Any) -> tuple[float | None, float | None]:
         cur.execute(_WAL, {"since": since_lsn or "0/0"})
         lsn, written, auto = cur.fetchone()
         lsn_row.append(lsn)
-        limit = auto / MB if setting == "auto" else float(setting)
+        limit = None if setting is None else auto / MB if setting == "auto" else float(setting)
         if since_lsn is None or not elapsed_s or elapsed_s <= 0:
             return None, limit  # one position: a rate from the next observation on
         return max(0.0, written) / MB / elapsed_s, limit
 
-    signal = _read(conn, policy, WAL_RATE, STEP, read, unit="MB/s")
+    signal = _read(conn, policy, WAL_RATE, STEP if setting is not None else RECORD, read, unit="MB/s")
     # Not measured yet, or unread (a standby has no WAL position of its own): recorded, never a step down.
     effect = signal.effect if signal.value is not None else RECORD
     lower = signal.limit * WAL_LOWER if signal.limit is not None else None
