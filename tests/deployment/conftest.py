@@ -45,6 +45,9 @@ DRILL_POLICY = {
     "max_active_chunks": 4,
     "lock_timeout": "60s",
     "schedule": None,
+    # The WAL rate recorded, not obeyed: beside the rest of the suite the server's WAL passes its limit,
+    # and 500 fixed batches at the floor's duty cycle took the drill from 77 s to 187 s.
+    "budget": {"max_wal_rate": False},
 }
 # The missed-schedule drill (test_missed_schedule.py): daily, catchup off, five days of history.
 MISSED_POLICY = {
