@@ -12,7 +12,7 @@ this role, and only as averages over whatever ran: docs/concepts.md says more.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from airflow_retention.core.db import dbapi
@@ -154,17 +154,11 @@ def read_wal_rate(
         return max(0.0, written) / MB / elapsed_s, limit
 
     signal = _read(conn, policy, WAL_RATE, STEP if setting is not None else RECORD, read, unit="MB/s")
-    # Not measured yet, or unread (a standby has no WAL position of its own): recorded, never a step down.
-    effect = signal.effect if signal.value is not None else RECORD
-    lower = signal.limit * WAL_LOWER if signal.limit is not None else None
-    rate = Signal(
-        WAL_RATE,
-        signal.value,
-        signal.limit,
-        effect,
-        "MB/s",
-        signal.error,
-        lower=lower,
+    rate = replace(
+        signal,
+        # Not measured yet, or unread (a standby has no WAL position of its own): recorded, never a step down.
+        effect=signal.effect if signal.value is not None else RECORD,
+        lower=signal.limit * WAL_LOWER if signal.limit is not None else None,
         foreground_only=True,
         proportional=True,
     )

@@ -35,11 +35,11 @@ BASELINE_WAIT_S = 0.05
 # A state nobody observed for this long belongs to purges that ended: the next one starts the budget
 # afresh (its baseline measured before its first batch, from the starting step).
 STALE_PERIODS = 10
+STALE_MIN_S = 60.0
 # The WAL rate is measured over this many periods (or since the first observation, when younger): one
 # batch at the floor writes its WAL in a fraction of a period and rests for many, so a rate over one
 # period is that batch's or nothing; the checkpoints it must stay under are minutes apart.
 WAL_WINDOW_PERIODS = 10
-STALE_MIN_S = 60.0
 
 
 class SharedBudget:

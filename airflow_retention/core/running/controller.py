@@ -175,7 +175,7 @@ def decide(
 def _level_for(steps: Sequence[Step], level: int, signal: Signal) -> int:
     """The highest step whose work (batches at once × duty cycle) brings a signal that grows with it from
     its value under its lower threshold, at the work of ``level``."""
-    if signal.value is None or not signal.value or signal.lower is None:
+    if not signal.value or signal.lower is None:
         return level - 1
     work = steps[level].concurrency * steps[level].duty * signal.lower / signal.value
     fits = [i for i, s in enumerate(steps[:level]) if s.concurrency * s.duty <= work]
