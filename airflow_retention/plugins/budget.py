@@ -133,7 +133,8 @@ class RunBudget:
     """One run as the budget saw it.
 
     :param paused_s: seconds its chunks were paused or kept waiting, by reason (a signal's name,
-        ``slots``, ``budget``, ``pause``, ``max_duty_cycle``), as written with each batch.
+        ``slots``, ``tenant_ceiling``, ``slow_start``, ``budget``, ``pause``, ``max_duty_cycle``), as written
+        with each batch.
     :param hold: for a run without batches for a while: ``throttled`` (the budget paused purges since its
         last batch: held on purpose) or ``stuck`` (no batch for :data:`STUCK_AFTER` and no pause recorded
         since); None otherwise.

@@ -1,8 +1,8 @@
 """Statements on the ledger's budget tables: the controller's state that every worker of every purge on the
 database reads (``budget_state``, one row), the claim of an observation period by one worker, the canary
-it times (``budget_canary``), its observations (``budget_observations``), the batch slots (session-level
-advisory locks, released by PostgreSQL when a worker's session ends) and each chunk's time paused per
-reason (``chunks.paused``).
+it times (``budget_canary``), its observations (``budget_observations``), the batch slots and the tenant
+slots (session-level advisory locks, released by PostgreSQL when a worker's session ends) and each chunk's
+time paused per reason (``chunks.paused``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ SCOPE = "database"
 # The advisory lock space of the batch slots: (SLOT_CLASS, slot number), shared by every ledger schema of
 # the database, so that purges with ledgers of their own still share the slots.
 SLOT_CLASS = 0x52657442  # "RetB"
+# The tenant slots' space: (TENANT_CLASS, hashtext of table, tenant and slot number). Two tenants whose
+# texts hash alike share a ceiling, which only slows them.
+TENANT_CLASS = 0x52657454  # "RetT"
 _STATE_COLUMNS = (
     "level, quiet, paused, concurrency, duty, baseline_ms, reasons, causes,"
     " extract(epoch FROM clock_timestamp() - observed_at)::float8"
@@ -45,6 +48,34 @@ class BudgetState:
     def of(cls, row: tuple[Any, ...]) -> BudgetState:
         level, quiet, paused, concurrency, duty, baseline, reasons, causes, age = row
         return cls(level, quiet, paused, concurrency, float(duty), baseline, tuple(reasons), tuple(causes), age)
+
+
+@dataclass(frozen=True)
+class TenantSlot:
+    """One of the ``ceiling`` slots of a tenant of a table (``max_workers_per_tenant``)."""
+
+    table: str
+    tenant: str
+    number: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.table}\x1f{self.tenant}\x1f{self.number}"
+
+
+# A batch slot (its number) or a tenant slot.
+Slot = int | TenantSlot
+# Held (shared, so by any number of sessions at once) by every session a chunk task works in, from its first
+# statement: the purges' own sessions, even before they take a slot (waiting for the first baseline), are
+# not a foreground to yield to. In the tenant slots' key space, under a key no tenant slot has.
+PURGE_MARK = TenantSlot("", "", -1)
+
+
+def _lock_args(slot: Slot) -> tuple[str, dict[str, Any]]:
+    """The advisory lock's two keys of ``slot``: SQL and parameters (the tenant's text hashed by the server)."""
+    if isinstance(slot, TenantSlot):
+        return "%(k)s::integer, hashtext(%(slot)s::text)", {"k": TENANT_CLASS, "slot": slot.key}
+    return "%(k)s::integer, %(slot)s::integer", {"k": SLOT_CLASS, "slot": slot}
 
 
 class LedgerBudget(LedgerSchema):
@@ -120,9 +151,10 @@ class LedgerBudget(LedgerSchema):
         return int(rows[0][0]), int(rows[0][1])
 
     def foreground_sessions(self, conn: Any, within_s: float) -> int:
-        """Client sessions of the server, other than this one and the purges' (holding or queued for a batch
-        slot), that ran a statement in the last ``within_s`` seconds: someone for the budget to yield to.
-        A session whose state this role may not see counts (it may be busy)."""
+        """Client sessions of the server, other than this one and the purges' (holding :data:`PURGE_MARK`,
+        or holding or queued for a batch or tenant slot), that ran a statement in the last ``within_s``
+        seconds: someone for the budget to yield to. A session whose state this role may not see counts
+        (it may be busy)."""
         rows = dbapi.fetch_all(
             conn,
             "SELECT count(*) FROM pg_catalog.pg_stat_activity a"
@@ -130,8 +162,8 @@ class LedgerBudget(LedgerSchema):
             " AND (a.state IS NULL OR a.state <> 'idle'"
             " OR a.state_change > clock_timestamp() - make_interval(secs => %(s)s::float8))"
             " AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'"
-            " AND l.classid = %(k)s::bigint::oid AND l.objsubid = 2)",
-            {"s": within_s, "k": SLOT_CLASS},
+            " AND l.classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid) AND l.objsubid = 2)",
+            {"s": within_s, "k": SLOT_CLASS, "t": TENANT_CLASS},
         )
         return int(rows[0][0])
 
@@ -193,30 +225,32 @@ class LedgerBudget(LedgerSchema):
                 params,
             )
 
-    def try_slot(self, conn: Any, slot: int) -> bool:
-        rows = dbapi.fetch_all(
-            conn, "SELECT pg_try_advisory_lock(%(k)s::integer, %(slot)s::integer)", {"k": SLOT_CLASS, "slot": slot}
-        )
-        return bool(rows[0][0])
+    def try_slot(self, conn: Any, slot: Slot) -> bool:
+        args, params = _lock_args(slot)
+        return bool(dbapi.fetch_all(conn, f"SELECT pg_try_advisory_lock({args})", params)[0][0])
 
-    def wait_slot(self, conn: Any, slot: int, timeout_ms: int) -> bool:
+    def wait_slot(self, conn: Any, slot: Slot, timeout_ms: int) -> bool:
         """Queue for ``slot`` behind its holder (PostgreSQL grants it in turn), at most ``timeout_ms``."""
+        args, params = _lock_args(slot)
         try:
             with dbapi.transaction(conn) as cur:
                 cur.execute("SELECT set_config('lock_timeout', %(t)s, true)", {"t": str(max(1, timeout_ms))})
-                cur.execute(
-                    "SELECT pg_advisory_lock(%(k)s::integer, %(slot)s::integer)", {"k": SLOT_CLASS, "slot": slot}
-                )
+                cur.execute(f"SELECT pg_advisory_lock({args})", params)
         except RetryableError as exc:
             if exc.sqlstate == "55P03":
                 return False
             raise
         return True
 
-    def release_slot(self, conn: Any, slot: int) -> None:
-        dbapi.fetch_all(
-            conn, "SELECT pg_advisory_unlock(%(k)s::integer, %(slot)s::integer)", {"k": SLOT_CLASS, "slot": slot}
-        )
+    def release_slot(self, conn: Any, slot: Slot) -> None:
+        args, params = _lock_args(slot)
+        dbapi.fetch_all(conn, f"SELECT pg_advisory_unlock({args})", params)
+
+    def mark(self, conn: Any, held: bool) -> None:
+        """Take (``held``) or give back :data:`PURGE_MARK` for this session."""
+        args, params = _lock_args(PURGE_MARK)
+        function = "pg_advisory_lock_shared" if held else "pg_advisory_unlock_shared"
+        dbapi.fetch_all(conn, f"SELECT {function}({args})", params)
 
     def observations(self, conn: Any, since: Any, until: Any | None = None) -> list[dict[str, Any]]:
         """The budget's observations from ``since`` (to ``until``), oldest first: a run's chart."""

@@ -20,6 +20,7 @@ BUDGET_KEYS = {
     "upper_latency": "upper_latency_ms",
     "lower_latency": "lower_latency_ms",
     "max_workers": "max_workers",
+    "max_workers_per_tenant": "max_workers_per_tenant",
     "connection_reserve": "connection_reserve",
     "max_lock_waiters": "max_lock_waiters",
     "max_replica_lag": "max_replica_lag_ms",
@@ -51,6 +52,9 @@ class Budget:
     :param upper_latency_ms: (YAML ``upper_latency``) an absolute upper threshold instead of ``upper``.
     :param lower_latency_ms: (YAML ``lower_latency``) an absolute lower threshold instead of ``lower``.
     :param max_workers: the most batches of all purges on the database at once.
+    :param max_workers_per_tenant: the most of those batches in one tenant of one table at once (chunks of a
+        tenant big enough to be cut into several), so that one busy tenant never takes every slot: ``"auto"``
+        (half of ``max_workers``, rounded up) or a number; ``tenant_ceiling`` is the resolved value.
     :param connection_reserve: connections kept free for the application: the budget steps down when
         fewer are free, and never allows more batches than are free beyond it.
     :param max_lock_waiters: lock requests waiting on the target table above which the budget steps down.
@@ -73,6 +77,7 @@ class Budget:
     upper_latency_ms: float | None = None
     lower_latency_ms: float | None = None
     max_workers: int = 4
+    max_workers_per_tenant: int | str = "auto"
     connection_reserve: int = 10
     max_lock_waiters: int = 0
     max_replica_lag_ms: int = 30_000
@@ -97,6 +102,14 @@ class Budget:
         if not isinstance(value, Mapping):
             raise ValueError(f"must be a mapping of budget settings, true or false, got {value!r}")
         return cls(**settings_kwargs(value, BUDGET_KEYS))
+
+    @property
+    def tenant_ceiling(self) -> int:
+        """How many batches of one tenant may run at once: ``max_workers_per_tenant`` resolved, at most
+        ``max_workers``."""
+        if self.max_workers_per_tenant == "auto":
+            return -(-self.max_workers // 2)
+        return min(int(self.max_workers_per_tenant), self.max_workers)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in BUDGET_KEYS.items()}
@@ -138,6 +151,11 @@ def _validated(b: Budget) -> dict[str, Any]:
     if b.upper_latency_ms is not None and out["lower_latency_ms"] >= out["upper_latency_ms"]:
         raise ValueError("lower_latency must be below upper_latency: the band between is the hysteresis")
     out["max_wal_rate"] = _wal_rate(b.max_wal_rate)
+    per_tenant = b.max_workers_per_tenant
+    if per_tenant != "auto" and (
+        isinstance(per_tenant, bool) or not isinstance(per_tenant, int) or not 1 <= per_tenant <= 64
+    ):
+        raise ValueError(f"max_workers_per_tenant: must be 'auto' or an integer from 1 to 64, got {per_tenant!r}")
     if b.on_unreadable not in ON_UNREADABLE:
         raise ValueError(f"on_unreadable: must be 'open' or 'closed', got {b.on_unreadable!r}")
     return out

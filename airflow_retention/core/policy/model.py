@@ -238,7 +238,9 @@ class RetentionPolicy:
             ("duty cycle", f"at most {self.max_duty_cycle:.0%} of the time in batches"),
             (
                 "database budget",
-                f"on: up to {self.budget.max_workers} batch(es) at once on the database, steered every"
+                f"on: up to {self.budget.max_workers} batch(es) at once on the database"
+                + (f" ({self.budget.tenant_ceiling} per tenant)" if self.tenant_column else "")
+                + ", steered every"
                 f" {self.budget.period_ms / 1000:g} s by the foreground's latency"
                 if self.budget.enabled
                 else "off",

@@ -6,9 +6,14 @@ period in the ledger, reads the pressure signals and moves the budget (:mod:`.co
 The slots are session-level advisory locks: a worker killed mid-batch loses its session, and PostgreSQL
 releases its slot with it (no lease to expire, no slot leaked). A worker waiting for a slot queues on one
 in PostgreSQL's lock queue, so a worker that releases a slot and asks again goes behind the ones waiting.
+A chunk of one tenant (a tenant big enough to be cut into several chunks) first takes one of its tenant's
+slots (``max_workers_per_tenant``, half the batch slots by default), so that one busy tenant's chunks never
+take every batch slot while other tenants' chunks wait.
+
 Every pause is accounted to its reason (the signal that lowered the budget, ``slots`` when the budget is
-simply full, ``max_duty_cycle`` for the policy's own duty cycle) and written to the chunk's ledger row with
-its next batch.
+simply full, ``tenant_ceiling`` when the chunk's tenant has its most batches running, ``slow_start`` for
+the rests of a budget that started slow beside another session, ``max_duty_cycle`` for the policy's own
+duty cycle) and written to the chunk's ledger row with its next batch.
 """
 
 from __future__ import annotations
@@ -17,15 +22,17 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from airflow_retention.core.db.pressure import WAL_RATE, Signal, read_signals, read_wal_rate
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.ledger.budget import BudgetState
+from airflow_retention.core.ledger.budget import BudgetState, TenantSlot
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.running.controller import decide, ladder, start_level
+from airflow_retention.core.running.controller import decide, first_level, ladder, start_level
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +47,15 @@ STALE_MIN_S = 60.0
 # batch at the floor writes its WAL in a fraction of a period and rests for many, so a rate over one
 # period is that batch's or nothing; the checkpoints it must stay under are minutes apart.
 WAL_WINDOW_PERIODS = 10
+TENANT_CEILING = "tenant_ceiling"
+SLOW_START_REASON = "slow_start"
 
 
 class SharedBudget:
     """One chunk attempt's view of the database budget (``policy.budget``).
 
     :param observer: who observes when this attempt claims a period (the chunk and its host), recorded.
+    :param tenant: the chunk's tenant when it has one alone: its batches count against the tenant's ceiling.
     :param clock: monotonic seconds (tests pass a fake).
     :param sleep: how it pauses (tests pass a fake).
     :param read: how the pressure signals are read (tests pass fakes).
@@ -58,6 +68,7 @@ class SharedBudget:
         label: str,
         observer: str,
         *,
+        tenant: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
@@ -70,6 +81,15 @@ class SharedBudget:
         self.steps = ladder(self.settings.max_workers)
         self.state: BudgetState | None = None
         self.slot: int | None = None
+        ceiling = self.settings.tenant_ceiling
+        # No separate ceiling when it allows every slot.
+        self.tenant_slots = (
+            [TenantSlot(str(policy.table), tenant, n) for n in range(ceiling)]
+            if tenant is not None and ceiling < self.settings.max_workers
+            else []
+        )
+        self.tenant_slot: TenantSlot | None = None
+        self._told_tenant = False
         self.next_look = 0.0
         self.pending: dict[str, float] = {}
         self.paused_s = 0.0  # paused (signals) or waiting for a slot in this attempt
@@ -86,6 +106,7 @@ class SharedBudget:
         """Return holding a batch slot within the budget; pause while a signal says so."""
         if not self.enabled or self.slot is not None:
             return
+        self._take_tenant_slot(conn)
         while True:
             state = self._look(conn)
             if state.paused:
@@ -107,6 +128,35 @@ class SharedBudget:
                     return
                 self.ledger.release_slot(conn, slot)  # the budget shrank while it waited
 
+    def _take_tenant_slot(self, conn: Any) -> None:
+        """Hold one of the chunk's tenant's slots, queueing (a period at a time) while its others are busy."""
+        if not self.tenant_slots or self.tenant_slot is not None:
+            return
+        for slot in self.tenant_slots:
+            if self.ledger.try_slot(conn, slot):
+                self.tenant_slot = slot
+                return
+        if not self._told_tenant:  # once per attempt: the chunk's paused seconds count every wait
+            self._told_tenant = True
+            log.info(
+                "%s: tenant %s already has %d batch(es) running (max_workers_per_tenant): waiting for one to end",
+                self.label,
+                self.tenant_slots[0].tenant,
+                len(self.tenant_slots),
+            )
+        while True:
+            started = self.clock()
+            slot = self.rng.choice(self.tenant_slots)
+            taken = self.ledger.wait_slot(conn, slot, self.settings.period_ms)
+            self._account(TENANT_CEILING, self.clock() - started)
+            if taken:
+                self.tenant_slot = slot
+                return
+            self._give_up_past(
+                self.state,
+                f"waiting for a slot of tenant {slot.tenant} (max_workers_per_tenant {len(self.tenant_slots)})",
+            )
+
     def _take(self, conn: Any, concurrency: int) -> int | None:
         for slot in range(concurrency):
             if self.ledger.try_slot(conn, slot):
@@ -122,14 +172,18 @@ class SharedBudget:
         self._account(state.causes[0] if state.causes else "pause", pause)
         self.next_look = 0.0
 
-    def _give_up_past(self, state: BudgetState, doing: str) -> None:
+    def _give_up_past(self, state: BudgetState | None, doing: str) -> None:
         limit_ms = self.policy.throttle.give_up_after_ms
         if self.paused_s * 1000 >= limit_ms:
+            budget = (
+                f"; budget: {self.steps[state.level].describe()}"
+                f"{' (' + '; '.join(state.reasons) + ')' if state.reasons else ''}"
+                if state is not None
+                else ""
+            )
             raise RetryableError(
                 f"{self.label}: {doing} for {self.paused_s:.1f} s in this attempt (give_up_after"
-                f" {limit_ms / 1000:g} s); budget: {self.steps[state.level].describe()}"
-                f"{' (' + '; '.join(state.reasons) + ')' if state.reasons else ''}. Committed batches stay; the"
-                " task's retry resumes the chunk"
+                f" {limit_ms / 1000:g} s){budget}. Committed batches stay; the task's retry resumes the chunk"
             )
 
     # -- after a batch ----------------------------------------------------------------------------
@@ -150,10 +204,12 @@ class SharedBudget:
             self._account("max_duty_cycle", seconds, waiting=False)
 
     def release(self, conn: Any) -> None:
-        if self.slot is None:
-            return
-        slot, self.slot = self.slot, None
-        self.ledger.release_slot(conn, slot)
+        if self.slot is not None:
+            slot, self.slot = self.slot, None
+            self.ledger.release_slot(conn, slot)
+        if self.tenant_slot is not None:
+            tenant_slot, self.tenant_slot = self.tenant_slot, None
+            self.ledger.release_slot(conn, tenant_slot)
 
     def release_quietly(self, conn: Any) -> None:
         """After a failed batch: the slot goes with the session anyway if the connection is lost."""
@@ -209,7 +265,7 @@ class SharedBudget:
                 new_baseline = True
                 if busy:
                     log.warning("%s: baseline measured while %d batch(es) ran: %.1f ms", self.label, busy, baseline)
-            level, quiet = start_level(), 0
+            level, quiet = first_level(foreground), 0
         assert baseline is not None
         canary = self._canary(conn, CANARY_SAMPLES)
         mark = None if stale else self.ledger.wal_mark(conn, WAL_WINDOW_PERIODS * self.period_s)
@@ -229,8 +285,14 @@ class SharedBudget:
             demand=demand,
             foreground=foreground,
         )
-        if decision.move in ("down", "pause"):
-            causes: tuple[str, ...] | None = decision.causes
+        fresh = stale or state.baseline_ms is None
+        if fresh and decision.move == "hold" and decision.level < start_level():
+            decision = replace(
+                decision, reasons=(f"slow start: {foreground} other session(s) at work", *decision.reasons)
+            )
+            causes: tuple[str, ...] | None = (SLOW_START_REASON,)
+        elif decision.move in ("down", "pause"):
+            causes = decision.causes
         elif decision.level >= start_level():
             causes = ()
         else:
@@ -251,7 +313,7 @@ class SharedBudget:
                 "canary_latency": {"value": canary, "baseline": baseline},
                 "foreground_sessions": {"value": foreground, "limit": None, "effect": "record", "error": None},
                 "batch_demand": {"value": demand, "limit": None, "effect": "record", "error": None},
-                **{s.name: s.to_dict() for s in signals},
+                **{s.name: s.to_dict() for s in signals if s is not wal},
                 WAL_RATE: {**wal.to_dict(), "lsn": lsn},
             },
             reasons=decision.reasons,
@@ -314,6 +376,24 @@ class SharedBudget:
         self.pending[reason] = self.pending.get(reason, 0.0) + seconds
         if waiting:
             self.paused_s += seconds
+
+
+@contextmanager
+def purge_session(conn: Any, ledger: Ledger, policy: RetentionPolicy) -> Iterator[None]:
+    """Mark ``conn``'s session as a purge's (``PURGE_MARK``) while a chunk runs in it, from its first
+    statement: the budget's observers do not count it as a foreground to yield to, even while it checks
+    its ledger row or waits for the first baseline."""
+    if not policy.budget.enabled:
+        yield
+        return
+    ledger.mark(conn, True)
+    try:
+        yield
+    finally:
+        try:
+            ledger.mark(conn, False)
+        except Exception:
+            log.debug("could not give back the purge mark", exc_info=True)
 
 
 def _free_connections(signals: list[Signal], busy: int) -> float | None:

@@ -64,6 +64,19 @@ def start_level() -> int:
     return len(DUTY_STEPS)
 
 
+# Where a budget starts while other sessions work: busy 10 % of the time, one step up per quiet_periods
+# quiet periods (30 s to full speed with the defaults). Started at full speed beside pgbench, one worker
+# wrote 400 MB of WAL in the first period, before any observation could see it: a checkpoint forced on
+# the foreground at once (docs/performance.md, "The database budget").
+SLOW_START = SIGNAL_FLOOR
+
+
+def first_level(foreground: int | None) -> int:
+    """Where a budget starting afresh begins: :func:`start_level` when no other session works, else
+    (also when unknown) :data:`SLOW_START`."""
+    return start_level() if foreground == 0 else SLOW_START
+
+
 @dataclass(frozen=True)
 class Thresholds:
     upper_ms: float

@@ -39,7 +39,7 @@ from airflow_retention.core.policy.identifiers import TableName
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.admission import check_chunk, ensure_chunk_row
 from airflow_retention.core.running.batches import BatchStatement, Counts, check_archived, counts_tenants, statement_for
-from airflow_retention.core.running.budget import SharedBudget
+from airflow_retention.core.running.budget import SharedBudget, purge_session
 from airflow_retention.core.running.context import BatchReport, ChunkResult, ChunkRun, default_host
 from airflow_retention.core.running.detach import run_partition_chunk
 from airflow_retention.core.running.pacing import Pacer, Throttler, conflict_backoff
@@ -94,59 +94,65 @@ def run_chunk(
     attempt = attempt or Attempt(host=default_host())
     ledger = ledger or Ledger(policy.ledger_schema)
     dbapi.prepare(conn)
-    target = target or inspect_target(conn, policy)
-    refuse_future_cutoff(conn, policy, cutoff)
-    key = run_key(policy, cutoff, lone=lone)
-    ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone, run_date)
-    if chunk.action is not None:  # a whole partition: one step, no batches
-        return _partition_chunk(conn, policy, target, key, chunk, attempt, ledger, cutoff, on_step)
-    run = ChunkRun(
-        conn,
-        policy,
-        target,
-        ledger,
-        key,
-        chunk,
-        attempt,
-        cutoffs=tenants.frozen(conn, ledger, policy, key, cutoff),
-        # A new chunk starts where the run's latest batches settled, not from scratch.
-        pacer=Pacer.for_policy(
-            policy,
-            ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None,
-            label=f"chunk {chunk.key}",
-            sleep=sleep,
-        ),
-        throttler=Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep),
-        budget=SharedBudget(
-            policy, ledger, f"chunk {chunk.key}", f"{key} {chunk.key} ({attempt.label()})", sleep=sleep
-        ),
-        sleep=sleep,
-        rng=rng or random.Random(),
-        on_batch=on_batch,
-    )
-    started = time.perf_counter()
-    try:
-        walker, statement = walker_for(policy, target, chunk), statement_for(policy, target, chunk)
-        walk(run, walker, statement, LedgerProgress(run, walker))
-        if counts_tenants(policy, chunk) or chunk.tenants is not None:
-            settle_dead_letters(run, statement)
-    except RetentionError as exc:
-        backoffs, backoff_s = run.throttler.take()
-        ledger.record_error(
+    with purge_session(conn, ledger, policy):
+        target = target or inspect_target(conn, policy)
+        refuse_future_cutoff(conn, policy, cutoff)
+        key = run_key(policy, cutoff, lone=lone)
+        ensure_chunk_row(conn, ledger, policy, cutoff, key, chunk, attempt, lone, run_date)
+        if chunk.action is not None:  # a whole partition: one step, no batches
+            return _partition_chunk(conn, policy, target, key, chunk, attempt, ledger, cutoff, on_step)
+        run = ChunkRun(
             conn,
+            policy,
+            target,
+            ledger,
             key,
-            chunk.key,
-            str(exc),
-            policy.lock_timeout_ms,
-            backoffs=backoffs,
-            backoff_seconds=backoff_s,
-            paused=run.paused_for_batch(),
+            chunk,
+            attempt,
+            cutoffs=tenants.frozen(conn, ledger, policy, key, cutoff),
+            # A new chunk starts where the run's latest batches settled, not from scratch.
+            pacer=Pacer.for_policy(
+                policy,
+                ledger.recent_batch_size(conn, key) if policy.target_batch_ms else None,
+                label=f"chunk {chunk.key}",
+                sleep=sleep,
+            ),
+            throttler=Throttler(policy, label=f"chunk {chunk.key}", sleep=sleep),
+            budget=SharedBudget(
+                policy,
+                ledger,
+                f"chunk {chunk.key}",
+                f"{key} {chunk.key} ({attempt.label()})",
+                tenant=chunk.tenants[0] if chunk.tenants is not None and len(chunk.tenants) == 1 else None,
+                sleep=sleep,
+            ),
+            sleep=sleep,
+            rng=rng or random.Random(),
+            on_batch=on_batch,
         )
-        raise
-    run.result.seconds = time.perf_counter() - started
-    if run.result.already_complete:
-        log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
-    return run.result
+        started = time.perf_counter()
+        try:
+            walker, statement = walker_for(policy, target, chunk), statement_for(policy, target, chunk)
+            walk(run, walker, statement, LedgerProgress(run, walker))
+            if counts_tenants(policy, chunk) or chunk.tenants is not None:
+                settle_dead_letters(run, statement)
+        except RetentionError as exc:
+            backoffs, backoff_s = run.throttler.take()
+            ledger.record_error(
+                conn,
+                key,
+                chunk.key,
+                str(exc),
+                policy.lock_timeout_ms,
+                backoffs=backoffs,
+                backoff_seconds=backoff_s,
+                paused=run.paused_for_batch(),
+            )
+            raise
+        run.result.seconds = time.perf_counter() - started
+        if run.result.already_complete:
+            log.info("chunk %s of run %s is already complete in the ledger: nothing to do", chunk.key, key)
+        return run.result
 
 
 def walker_for(
@@ -305,6 +311,7 @@ def _tally(run: ChunkRun, walker: Walker, report: BatchReport, *, full: bool, ex
     """A committed batch: into the pacer, the attempt's result, the log and the caller's callback."""
     result = run.result
     run.pacer.observe(report.ms, full=full, size=report.size)
+    run.pacer.ended(run.conn, report.size if full else 0)  # a batch cut short by its range says nothing
     result.batches += 1
     result.rows_deleted += report.deleted
     result.rows_archived += report.archived

@@ -50,6 +50,11 @@ FULL_PAGE_SHRINK = 4
 # same share of the time in smaller pieces. At 1 % a 300 ms batch wrote ~25 MB of WAL in one burst, then
 # rested 30 s, and the foreground's commits that met the burst waited behind it (docs/performance.md).
 SHORTEST_AIM_MS = 10
+# Below a duty cycle of 1 a batch's WAL is capped too: the application's commits that arrive during a batch
+# wait for its WAL to reach the disk before theirs, whatever the batch's duration. Beside pgbench at 300
+# tps and the same rows per second, batches of about 1 MB of WAL left its p99 at 1.0-1.2x its p99 alone,
+# batches of 3.4 MB at 2.4x (docs/performance.md, "The burst of WAL").
+BURST_WAL_BYTES = 1 << 20
 
 
 class BatchSizer:
@@ -111,6 +116,7 @@ _CHECKPOINT_POSITION = (
     " pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::double precision,"
     " extract(epoch FROM now() - checkpoint_time)::double precision FROM pg_control_checkpoint()"
 )
+_WAL_POSITION = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::double precision"
 _CHECKPOINT_SETTINGS = (
     "SELECT pg_size_bytes(current_setting('max_wal_size'))::double precision,"
     " current_setting('checkpoint_completion_target')::double precision,"
@@ -165,9 +171,7 @@ class CheckpointWatch:
                 exc,
             )
             return 1
-        if self._lsn is not None and self._last_size:
-            self._wal_per_row = max(0.0, lsn - self._lsn) / self._last_size
-        self._lsn, self._last_size = lsn, size
+        self._lsn, self._last_size = lsn, size  # the batch's WAL is measured from here (:meth:`ended`)
         redo = lsn - since  # the last completed checkpoint's redo point: it moves when a checkpoint ends
         # A checkpoint is running (its own redo point is not public until it ends) ...
         running = since >= self.trigger_bytes or age >= self.timeout_s
@@ -196,6 +200,29 @@ class CheckpointWatch:
             )
         self._last_size = max(1, size // FULL_PAGE_SHRINK)
         return FULL_PAGE_SHRINK
+
+    @property
+    def wal_per_row(self) -> float | None:
+        """The WAL per row of the last batch measured (bytes, with what other sessions wrote during it), or
+        None."""
+        return self._wal_per_row
+
+    def sent(self, size: int) -> None:
+        """The next batch's size, when it is not the one :meth:`factor` was given."""
+        self._last_size = size
+
+    def ended(self, conn: Any, rows: int) -> None:
+        """After a committed batch of ``rows`` that :meth:`factor` saw start: its WAL per row, from the
+        position read then to now. Measured over the batch alone, not from one batch to the next: other
+        workers' batches and the foreground's writes in between are not this batch's."""
+        lsn, self._lsn = self._lsn, None
+        if not self.enabled or lsn is None or rows <= 0:
+            return
+        try:
+            now = float(dbapi.fetch_all(conn, _WAL_POSITION)[0][0])
+        except PermanentError:
+            return
+        self._wal_per_row = max(0.0, now - lsn) / rows
 
 
 def conflict_backoff(attempt: int, rng: random.Random) -> float:
@@ -227,6 +254,8 @@ class Pacer:
     # The policy's target_batch_ms: the sizer's aim is at most this (:meth:`aim_for`), the statement cap
     # always this.
     target_ms: int = 0
+    # The most WAL a batch may write (bytes, :data:`BURST_WAL_BYTES` below a duty cycle of 1), or None.
+    burst_wal_bytes: float | None = None
 
     def __post_init__(self) -> None:
         self.target_ms = self.target_ms or self.sizer.target_ms
@@ -253,19 +282,27 @@ class Pacer:
         size = self.sizer.size
         if self.watch is None or size <= self.sizer.smallest:
             return size
-        return max(self.sizer.smallest, size // self.watch.factor(conn, size, self.sizer.target_ms))
+        size = max(self.sizer.smallest, size // self.watch.factor(conn, size, self.sizer.target_ms))
+        per_row = self.watch.wal_per_row
+        if self.burst_wal_bytes and per_row and size * per_row > self.burst_wal_bytes:
+            # The sizer starts from the cap too: when it lifts, batches grow back by MAX_STEP at most.
+            size = self.sizer.size = max(self.sizer.smallest, int(self.burst_wal_bytes / per_row))
+            self.watch.sent(size)
+        return size
 
     def aim_for(self, duty: float, longest_rest_s: float) -> None:
         """Aim the batches at the policy's target, or shorter at a low ``duty`` cycle: short enough that
         the rest after each is at most ``longest_rest_s`` (the budget's period), down to
-        :data:`SHORTEST_AIM_MS`. The statement cap stays the target's: a batch sized for the old aim is
-        not cancelled for the new one, the next one is sized for it."""
+        :data:`SHORTEST_AIM_MS`, and writing at most :data:`BURST_WAL_BYTES` of WAL. The statement cap
+        stays the target's: a batch sized for the old aim is not cancelled for the new one, the next one
+        is sized for it."""
         if not self.target_ms:
             return
         aim = self.target_ms
         if duty < 1:
             aim = min(aim, max(SHORTEST_AIM_MS, int(longest_rest_s * 1000 * duty / (1 - duty))))
         self.sizer.target_ms = aim
+        self.burst_wal_bytes = BURST_WAL_BYTES if duty < 1 else None
 
     def statement_timeout(self, size: int) -> int:
         """The batch's ``statement_timeout``: the policy's, capped at :data:`STATEMENT_CAP` times the
@@ -276,6 +313,11 @@ class Pacer:
 
     def observe(self, ms: float, *, full: bool, size: int) -> int:
         return self.sizer.observe(ms, full=full, size=size)
+
+    def ended(self, conn: Any, rows: int) -> None:
+        """After a committed batch that touched ``rows`` rows: the checkpoint watch measures its WAL."""
+        if self.watch is not None:
+            self.watch.ended(conn, rows)
 
     def cut_short(self, exc: RetryableError, size: int, ms: float) -> bool:
         """True when ``exc`` is this batch's own cap firing (then the next batch is a quarter as big and

@@ -32,6 +32,17 @@ def test_max_wal_rate_is_auto_a_rate_or_off(value: object, read: object) -> None
     assert build(budget=policy.budget.to_dict()).budget == policy.budget
 
 
+@pytest.mark.parametrize(
+    ("budget", "ceiling"),
+    [({}, 2), ({"max_workers": 5}, 3), ({"max_workers": 1}, 1), ({"max_workers_per_tenant": 3}, 3),
+     ({"max_workers": 2, "max_workers_per_tenant": 3}, 2), ({"max_workers_per_tenant": "auto", "max_workers": 8}, 4)],
+)  # fmt: skip
+def test_the_tenant_ceiling_is_half_the_workers_by_default_and_never_above_them(budget: Any, ceiling: int) -> None:
+    policy = build(budget=budget)
+    assert policy.budget.tenant_ceiling == ceiling
+    assert build(budget=policy.budget.to_dict()).budget == policy.budget
+
+
 @pytest.mark.parametrize("off", [False, "off", {"enabled": False}])
 def test_false_turns_the_budget_off(off: object) -> None:
     policy = build(budget=off)
@@ -90,6 +101,9 @@ def test_budget_settings_are_read_and_round_trip() -> None:
         ({"max_wal_rate": 0}, "max_wal_rate: must be 'auto', false or MB/s above 0, got 0"),
         ({"max_workers": 65}, "max_workers: must be an integer from 1 to 64, got 65"),
         ({"max_workers": "2"}, "max_workers: must be an integer from 1 to 64, got '2'"),
+        ({"max_workers_per_tenant": 0}, "max_workers_per_tenant: must be 'auto' or an integer from 1 to 64, got 0"),
+        ({"max_workers_per_tenant": "half"}, "max_workers_per_tenant: must be 'auto' or an integer from 1 to 64"),
+        ({"max_workers_per_tenant": True}, "max_workers_per_tenant: must be 'auto' or an integer from 1 to 64"),
         ({"connection_reserve": -1}, "connection_reserve: must be an integer from 0 to 10000"),
         ({"max_lock_waiters": 1.5}, "max_lock_waiters: must be an integer from 0 to 10000"),
         ({"max_archive_backlog": -1}, "max_archive_backlog: must be an integer from 0 to 1000000"),

@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.ledger.budget import SLOT_CLASS
+from airflow_retention.core.ledger.budget import SLOT_CLASS, TENANT_CLASS, TenantSlot
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.records import Attempt, ChunkSpec
 from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.policy.loading import policy_to_dict
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.budget import SharedBudget
-from airflow_retention.core.running.controller import ladder, start_level
+from airflow_retention.core.running.controller import SLOW_START, ladder, start_level
 from airflow_retention.core.running.engine import BatchReport, ChunkResult, run_chunk
 from tests.conftest import _admin, connect, throwaway_database
 from tests.core.helpers import (
@@ -55,6 +55,10 @@ SLOTS_SQL = (
     " JOIN pg_catalog.pg_stat_activity a USING (pid) WHERE l.locktype = 'advisory' AND l.granted"
     " AND l.classid = %(k)s::bigint::oid AND l.objsubid = 2"
     " AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
+)
+TENANT_SLOTS_SQL = (
+    "SELECT pid FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND classid = %(k)s::bigint::oid"
+    " AND objsubid = 2 AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
 )
 BUDGET = {"period": "200ms", "connection_reserve": 0}  # the test server's connections are every test's
 
@@ -464,6 +468,93 @@ def test_a_second_policy_carries_on_the_budget_the_first_one_observed(db: Any, s
     assert scalar(db, f'SELECT count(*) FROM "{schema}_ledger".budget_state') == 1
 
 
+# -- the tenant ceiling -----------------------------------------------------------------------------
+
+
+class InsideByTenant(Inside):
+    """:class:`Inside`, also per tenant: ``most_of[tenant]``, the most batches of one tenant at once."""
+
+    def __init__(self, hold_s: float) -> None:
+        super().__init__(hold_s)
+        self.of: dict[str | None, int] = {}
+        self.most_of: dict[str | None, int] = {}
+
+    def __call__(self, report: BatchReport) -> None:
+        with self.lock:
+            self.of[report.tenant] = self.of.get(report.tenant, 0) + 1
+            self.most_of[report.tenant] = max(self.most_of.get(report.tenant, 0), self.of[report.tenant])
+        super().__call__(report)
+        with self.lock:
+            self.of[report.tenant] -= 1
+
+
+def test_one_big_tenants_chunks_never_hold_more_batch_slots_than_its_ceiling(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """A tenant cut into several chunks (``max_workers_per_tenant`` 1) runs one batch at a time, while the
+    other tenants' chunk takes the free slots beside it; its chunks' waits are recorded as ``tenant_ceiling``."""
+    table = create_events(db, schema)
+    fill_events(db, table, 3000, tenant="1")
+    fill_events(db, table, 600, first_id=3001, tenant="2 + mod(g, 3)")  # three small tenants: one chunk
+    policy = make_policy(
+        schema,
+        tenant_column="tenant_id",
+        batch_size=40,
+        chunk_rows=500,
+        budget={**BUDGET, "max_workers_per_tenant": 1},
+    )
+    plan = make_plan(db, policy)
+    big = [c for c in plan.chunks if c.tenants == ("1",)]
+    assert len(big) >= 3 and len(plan.chunks) > len(big), [c.key for c in plan.chunks]
+    eligible, total = len(eligible_ids(db, table)), scalar(db, f"SELECT count(*) FROM {table}")
+    force(db, policy, level_of(4))
+    inside = InsideByTenant(0.02)
+    results, errors = run_in_threads(budget_dsn, [(policy, c) for c in plan.chunks], inside)
+    assert errors == []
+    assert inside.most_of["1"] == 1, "two batches of tenant 1 ran at once"
+    assert inside.most[0] >= 2, "no other tenant's batch ran beside tenant 1's"
+    assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+    assert slots(db) == [] and rows(db, TENANT_SLOTS_SQL, {"k": TENANT_CLASS}) == []  # every slot released
+    # The big tenant's chunks waited for each other, and say so; the small tenants' chunk never did.
+    waited = {key.split("/", 1)[1]: r.paused.get("tenant_ceiling", 0.0) for key, r in results.items()}
+    assert sum(waited[c.key] for c in big) > 0.05, waited
+    assert all(waited[c.key] == 0.0 for c in plan.chunks if c not in big), waited
+    ledger = {c["chunk_key"]: c["paused"] for c in ledger_chunks(db, policy.ledger_schema, plan.run_key)}
+    for chunk in big:
+        assert ledger[chunk.key].get("tenant_ceiling", 0.0) == pytest.approx(waited[chunk.key], abs=0.01)
+
+
+def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_holds_no_slot(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    table = create_events(db, schema)
+    fill_events(db, table, 2000, tenant="1")
+    policy = make_policy(
+        schema,
+        tenant_column="tenant_id",
+        batch_size=40,
+        chunk_rows=400,
+        throttle={"give_up_after": "300ms"},
+        budget={**BUDGET, "max_workers_per_tenant": 1},
+    )
+    plan = make_plan(db, policy)
+    force(db, policy, level_of(4))
+    before = scalar(db, f"SELECT count(*) FROM {table}")
+    holder = TenantSlot(str(policy.table), "1", 0)
+    with closing(connect("psycopg2", budget_dsn)) as other:
+        other.autocommit = True
+        assert Ledger(policy.ledger_schema).try_slot(other, holder)  # another worker's batch of tenant 1
+        with closing(connect("psycopg", budget_dsn)) as conn, pytest.raises(RetryableError) as caught:
+            run_chunk(conn, policy, CUTOFF, plan.chunks[0])
+    message = str(caught.value)
+    assert "waiting for a slot of tenant 1 (max_workers_per_tenant 1)" in message, message
+    assert "give_up_after 0.3 s" in message and "retry resumes the chunk" in message
+    assert scalar(db, f"SELECT count(*) FROM {table}") == before  # nothing deleted
+    assert slots(db) == [] and rows(db, TENANT_SLOTS_SQL, {"k": TENANT_CLASS}) == []
+    chunk = {c["chunk_key"]: c for c in ledger_chunks(db, policy.ledger_schema, plan.run_key)}[plan.chunks[0].key]
+    assert chunk["paused"].get("tenant_ceiling", 0.0) >= 0.3
+
+
 def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(
     db: Any, schema: str, budget_dsn: str
 ) -> None:
@@ -506,6 +597,56 @@ def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(
 
 
 # -- pauses per reason ------------------------------------------------------------------------------
+
+
+class Foreground(threading.Thread):
+    """Another session at work: a statement every 20 ms on a connection of its own until stopped."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.halt = dsn, threading.Event()
+
+    def run(self) -> None:
+        conn = _admin(self.dsn)
+        try:
+            while not self.halt.is_set():
+                rows(conn, "SELECT 1")
+                self.halt.wait(0.02)
+        finally:
+            conn.close()
+
+    def __enter__(self) -> Foreground:
+        self.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.join(10)
+
+
+def test_a_budget_starting_beside_another_session_starts_slow_and_says_why(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """No state yet and a session at work: the first observation puts the budget at SLOW_START (busy 10 %),
+    not at full speed, with the reason recorded; the rests that follow are accounted to ``slow_start``."""
+    table = events(db, schema, count=1500)
+    policy = make_policy(schema, batch_size=100, budget={**BUDGET, "period": "5s"})
+    plan = make_plan(db, policy)
+    with Foreground(budget_dsn), closing(connect("psycopg2", budget_dsn)) as conn:
+        result = run_chunk(conn, policy, CUTOFF, plan.chunks[0])
+    first = rows(
+        db,
+        f"SELECT level, duty, move, reasons, signals -> 'foreground_sessions' ->> 'value'"
+        f' FROM "{policy.ledger_schema}".budget_observations ORDER BY at LIMIT 1',
+    )[0]
+    assert first[0] == SLOW_START and first[1] == pytest.approx(0.1) and first[2] == "hold", first
+    assert int(first[4]) >= 1 and first[3][0] == f"slow start: {first[4]} other session(s) at work", first
+    assert result.batches >= 8 and set(result.paused) == {"slow_start"}
+    assert result.paused["slow_start"] == pytest.approx(result.duty_seconds, abs=0.01)
+    batch_s = sum(b.ms for b in result.batch_log[:-1]) / 1000
+    assert result.duty_seconds == pytest.approx(batch_s * 9, rel=0.05)  # busy 10 %: rests nine times a batch
+    assert eligible_ids(db, table) == []
 
 
 @pytest.mark.parametrize(

@@ -15,10 +15,12 @@ from airflow_retention.core.running.controller import (
     CANARY,
     DUTY_STEPS,
     SIGNAL_FLOOR,
+    SLOW_START,
     Decision,
     Step,
     Thresholds,
     decide,
+    first_level,
     ladder,
     start_level,
 )
@@ -75,6 +77,16 @@ def test_the_ladder_from_the_floor_to_max_workers_and_where_it_starts() -> None:
     assert [s.duty for s in steps] == sorted(s.duty for s in steps)  # lowest first
     assert ladder(1)[-1] == Step(1, 1.0) and len(ladder(1)) == start_level() + 1
     assert Step(2, 0.35).describe() == "2 batch(es) at once, busy 35% of the time"
+
+
+def test_a_budget_starts_at_full_speed_only_when_nobody_else_works() -> None:
+    assert first_level(0) == start_level()
+    assert first_level(1) == first_level(None) == SLOW_START == SIGNAL_FLOOR
+    assert ladder(4)[SLOW_START] == Step(1, 0.1)
+    # From there, up one step per quiet_periods: full speed after five climbs.
+    p = Periods(Budget(quiet_periods=3), level=SLOW_START)
+    levels = [p.period(QUIET).level for _ in range(15)]
+    assert levels[-1] == start_level() and levels.count(SLOW_START) == 2
 
 
 def test_up_one_step_only_after_quiet_periods_quiet_periods_in_a_row() -> None:

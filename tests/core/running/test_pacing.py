@@ -17,6 +17,7 @@ from airflow_retention.core.policy.model import RetentionPolicy, Throttle
 from airflow_retention.core.policy.validation import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MIN_BATCH_SIZE, MAX_BATCH_SIZE
 from airflow_retention.core.running.engine import BatchReport, run_chunk
 from airflow_retention.core.running.pacing import (
+    BURST_WAL_BYTES,
     CONFLICT_BACKOFF_BASE_S,
     CONFLICT_BACKOFF_CAP_S,
     FULL_PAGE_SHRINK,
@@ -74,6 +75,35 @@ def test_at_a_low_duty_cycle_batches_aim_short_enough_to_rest_at_most_a_period()
     fixed = Pacer(sizer=BatchSizer(10_000, 10, 100_000, 0), statement_timeout_ms=60_000, sleep=lambda s: None)
     fixed.aim_for(0.01, 2.0)
     assert fixed.sizer.target_ms == 0  # a fixed batch size stays fixed
+
+
+class KnownWal(CheckpointWatch):
+    """A checkpoint watch that never cuts and knows the WAL per row: 400 bytes."""
+
+    def factor(self, conn: Any, size: int, batch_ms: float) -> int:
+        return 1
+
+    @property
+    def wal_per_row(self) -> float | None:
+        return 400.0
+
+
+def test_below_a_duty_cycle_of_one_a_batch_writes_at_most_a_burst_of_wal_and_grows_back_from_it() -> None:
+    watch = KnownWal("test")
+    pacer = Pacer(
+        sizer=BatchSizer(20_000, 10, 100_000, 200), statement_timeout_ms=60_000, watch=watch, sleep=lambda s: None
+    )
+    assert pacer.next_size(None) == 20_000  # at full duty: no cap (8 MB of WAL)
+    pacer.aim_for(0.05, 2.0)
+    capped = BURST_WAL_BYTES // 400
+    assert pacer.next_size(None) == capped == 2621
+    assert watch._last_size == capped  # the next WAL per row is measured at the size sent
+    pacer.aim_for(1.0, 2.0)
+    assert pacer.next_size(None) == capped  # the cap lifted: the sizer starts from it ...
+    assert pacer.observe(40, full=True, size=capped) == 2 * capped  # ... and grows by MAX_STEP at most
+    pacer.aim_for(0.05, 2.0)
+    pacer.sizer.size = 10
+    assert pacer.next_size(None) == 10  # the smallest batch is never cut
 
 
 def test_a_batch_cut_by_the_checkpoint_watch_is_measured_at_its_own_size() -> None:
@@ -365,13 +395,35 @@ def test_checkpoint_watch_cuts_one_batch_per_running_checkpoint(conn: Any, admin
     watch = CheckpointWatch("test", trigger_bytes=2.0**62, timeout_s=10.0**9)
     watch.factor(conn, 8000, 200)
     assert watch._lsn is not None
-    watch._lsn -= 2.0**61  # as if the last batch wrote that much WAL: the trigger is one batch away
+    watch._lsn -= 2.0**61  # as if the batch wrote that much WAL: the trigger is one batch away
+    watch.ended(conn, 8000)
+    assert watch.wal_per_row == pytest.approx(2.0**61 / 8000, rel=1e-6)
     assert watch.factor(conn, 8000, 200) == FULL_PAGE_SHRINK
     # checkpoint_timeout within two batches: cut ahead of it as well.
     watch = CheckpointWatch("test", trigger_bytes=2.0**62, timeout_s=10.0**9)
     age = scalar(admin, "SELECT extract(epoch FROM now() - checkpoint_time) FROM pg_control_checkpoint()")
     watch.timeout_s = float(age) + 2  # the next batch, expected to take 2 s, may run into it
     assert watch.factor(conn, 8000, 2000) == FULL_PAGE_SHRINK
+
+
+def test_checkpoint_watch_measures_a_batchs_wal_from_its_start_not_from_the_batch_before(
+    conn: Any, admin: Any, schema: str
+) -> None:
+    rows(admin, f'CREATE TABLE "{schema}".w (id bigint, pad text)')
+    watch = CheckpointWatch("test", trigger_bytes=2.0**62, timeout_s=10.0**9)
+    watch.factor(conn, 1000, 200)
+    rows(admin, f"INSERT INTO \"{schema}\".w SELECT g, repeat('x', 200) FROM generate_series(1, 1000) g")
+    watch.ended(conn, 1000)
+    first = watch.wal_per_row
+    assert first is not None and 200 < first < 2000  # a row and its WAL record
+    # Another worker's batch between this one's: not counted in the next measure.
+    rows(admin, f"INSERT INTO \"{schema}\".w SELECT g, repeat('x', 200) FROM generate_series(1, 20000) g")
+    watch.factor(conn, 1000, 200)
+    rows(admin, f"INSERT INTO \"{schema}\".w SELECT g, repeat('x', 200) FROM generate_series(1, 1000) g")
+    watch.ended(conn, 1000)
+    assert watch.wal_per_row == pytest.approx(first, rel=0.5)
+    watch.ended(conn, 1000)  # no batch started since: nothing measured
+    assert watch.wal_per_row == pytest.approx(first, rel=0.5)
 
 
 # -- the throttle against the real server --------------------------------------------------------------
