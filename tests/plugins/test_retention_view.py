@@ -165,7 +165,8 @@ def test_the_view_in_the_ui_shows_the_ledger(view_deployment: Deployment, view_s
             assert hold.startswith("throttled on purpose") and PAUSE_REASON in hold, hold
             for key in view_seeded.complete:
                 paused = frame.locator(f'tr[data-run-key="{key}"] [data-field="paused"]').inner_text()
-                assert "max_duty_cycle " in paused, (key, paused)  # the engine rested at the half duty
+                # The engine rested at the half duty, or at the budget's slow start beside other tests.
+                assert "max_duty_cycle " in paused or "slow_start " in paused, (key, paused)
             (slo_warning,) = events.locator('[data-field="slo_warning"]').all_inner_texts()
             assert slo_warning.startswith("exhausted database budget: held at its floor for"), slo_warning
             assert events.locator("svg.chart rect.allowed").count() == 4  # the pressure under each run

@@ -31,7 +31,7 @@ from airflow_retention.core.planning.planner import plan_run
 from airflow_retention.core.policy.loading import policy_to_dict
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.budget import SharedBudget
-from airflow_retention.core.running.controller import SLOW_START, ladder, start_level
+from airflow_retention.core.running.controller import DUTY_STEPS, SLOW_START, ladder, start_level
 from airflow_retention.core.running.engine import BatchReport, ChunkResult, run_chunk
 from tests.conftest import _admin, connect, throwaway_database
 from tests.core.helpers import (
@@ -652,8 +652,8 @@ def test_a_budget_starting_beside_another_session_starts_slow_and_says_why(
 @pytest.mark.parametrize(
     ("level", "causes", "max_duty_cycle", "reason"),
     [
-        (0, [], 1.0, "budget"),  # the floor: busy a tenth of the time
-        (1, ["canary_latency"], 1.0, "canary_latency"),
+        (DUTY_STEPS.index(0.1), [], 1.0, "budget"),  # busy a tenth of the time, no signal named
+        (DUTY_STEPS.index(0.2), ["canary_latency"], 1.0, "canary_latency"),
         (level_of(1), [], 0.25, "max_duty_cycle"),  # the policy's own duty cycle, below the budget's
     ],
 )

@@ -123,7 +123,7 @@ def test_down_one_step_in_the_period_the_latency_crosses_the_upper_threshold() -
     assert (d.move, d.level) == ("down", 1)
     # Both at once: the WAL rate's step, however far.
     d = decide(Budget(), start_level(), 0, LOUD, BASELINE, [wal(400.0)], foreground=2)
-    assert d.level == 0 and set(d.causes) == {CANARY, "wal_rate"}
+    assert d.step == Step(1, 0.01) and set(d.causes) == {CANARY, "wal_rate"}  # 1.0 x 7 / 400 = 0.0175
 
 
 def test_a_step_signal_above_its_limit_steps_down_and_a_record_signal_does_not() -> None:
