@@ -62,21 +62,26 @@ def wal_position(cur: Any) -> int:
 def purge(dsn: str, size: int, rate: float, first_id: int, stop: threading.Event, out: dict[str, Any]) -> None:
     """Delete ``size`` rows per transaction from ``first_id`` on, ``rate`` rows a second, until ``stop``."""
     conn = psycopg2.connect(dsn, application_name="burst-purge")
+    conn.autocommit = True
     cur = conn.cursor()
-    start, lo, took = wal_position(cur), first_id, []
-    conn.commit()
+    lo, took, wal = first_id, [], []
     while not stop.is_set():
+        # The batch's WAL from just before it to just after its commit: pgbench's few writes meanwhile
+        # included, not those of the rests.
+        before = wal_position(cur)
         began = time.monotonic()
+        cur.execute("BEGIN")
         cur.execute("DELETE FROM burst WHERE id >= %s AND id < %s", (lo, lo + size))
-        conn.commit()
-        lo += size
+        cur.execute("COMMIT")
         took.append(time.monotonic() - began)
+        wal.append(wal_position(cur) - before)
+        lo += size
         stop.wait(max(0.0, size / rate - took[-1]))
     out.update(
         next_id=lo,
         batches=len(took),
         batch_p50_ms=round(statistics.median(took) * 1000, 2) if took else None,
-        wal_mb_per_batch=round((wal_position(cur) - start) / max(1, len(took)) / 1e6, 2),
+        wal_mb_per_batch=round(statistics.median(wal) / 1e6, 2) if wal else None,
     )
     conn.close()
 

@@ -52,8 +52,9 @@ FULL_PAGE_SHRINK = 4
 SHORTEST_AIM_MS = 5
 # Below a duty cycle of 1 a batch's WAL is capped too: the application's commits that arrive during a batch
 # wait for its WAL to reach the disk before theirs, whatever the batch's duration. Beside pgbench at 300
-# tps and the same rows per second, batches of about 1 MB of WAL left its p99 at 1.0-1.2x its p99 alone,
-# batches of 3.4 MB at 2.4x (docs/performance.md, "The burst of WAL").
+# tps and the same 5,000 rows a second, batches of up to 4,000 rows (about 1.3 MB of WAL) left its p99
+# within 1.2x of its p99 alone, batches of 16,000 rows (5 MB) at 2.4x (docs/performance.md, "The burst
+# of WAL").
 BURST_WAL_BYTES = 1 << 20
 
 
