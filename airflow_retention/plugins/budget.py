@@ -64,7 +64,7 @@ class BudgetView:
 
     @property
     def at_floor(self) -> bool:
-        """Held at the lowest step (one batch at a time, busy 0.2 % of the time) or paused."""
+        """Held at the lowest step (one batch at a time, busy 1 % of the time) or paused."""
         return self.paused or self.level == 0
 
     def describe(self) -> str:

@@ -49,7 +49,7 @@ FULL_PAGE_SHRINK = 4
 # At a low duty cycle batches aim shorter, so that the rest after each is at most one budget period: the
 # same share of the time in smaller pieces. At 1 % a 300 ms batch wrote ~25 MB of WAL in one burst, then
 # rested 30 s, and the foreground's commits that met the burst waited behind it (docs/performance.md).
-SHORTEST_AIM_MS = 5
+SHORTEST_AIM_MS = 10
 # Below a duty cycle of 1 a batch's WAL is capped too: the application's commits that arrive during a batch
 # wait for its WAL to reach the disk before theirs, whatever the batch's duration. Beside pgbench at 300
 # tps and the same 5,000 rows a second, batches of up to 4,000 rows (about 1.3 MB of WAL) left its p99

@@ -72,7 +72,7 @@ def test_at_a_low_duty_cycle_batches_aim_short_enough_to_rest_at_most_a_period()
     pacer.aim_for(1.0, 2.0)
     assert pacer.sizer.target_ms == 200
     pacer.aim_for(0.0001, 2.0)
-    assert pacer.sizer.target_ms == SHORTEST_AIM_MS == 5  # never below it
+    assert pacer.sizer.target_ms == SHORTEST_AIM_MS == 10  # never below it
     fixed = Pacer(sizer=BatchSizer(10_000, 10, 100_000, 0), statement_timeout_ms=60_000, sleep=lambda s: None)
     fixed.aim_for(0.01, 2.0)
     assert fixed.sizer.target_ms == 0  # a fixed batch size stays fixed
