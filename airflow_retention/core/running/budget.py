@@ -256,7 +256,8 @@ class SharedBudget:
         busy, queued = self.ledger.slots(conn)
         foreground = self.ledger.foreground_sessions(conn, self.period_s)
         level, quiet, baseline, new_baseline = state.level, state.quiet, state.baseline_ms, False
-        if stale or baseline is None:
+        fresh = stale or baseline is None
+        if fresh:
             # A budget starting afresh: the baseline is the foreground alone, before this purge's first batch.
             if busy and baseline is not None:
                 log.info("%s: %d batch slot(s) busy: keeping the baseline of %.1f ms", self.label, busy, baseline)
@@ -285,7 +286,6 @@ class SharedBudget:
             demand=demand,
             foreground=foreground,
         )
-        fresh = stale or state.baseline_ms is None
         if fresh and decision.move == "hold" and decision.level < start_level():
             decision = replace(
                 decision, reasons=(f"slow start: {foreground} other session(s) at work", *decision.reasons)

@@ -112,12 +112,13 @@ class BatchSizer:
 
 # WAL since the last completed checkpoint's redo point, the position now, and that checkpoint's age.
 # pg_control_checkpoint() is executable by every role by default; a role it was revoked from degrades.
+_LSN_BYTES = "pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::double precision"
 _CHECKPOINT_POSITION = (
     "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), redo_lsn)::double precision,"
-    " pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::double precision,"
+    f" {_LSN_BYTES},"
     " extract(epoch FROM now() - checkpoint_time)::double precision FROM pg_control_checkpoint()"
 )
-_WAL_POSITION = "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::double precision"
+_WAL_POSITION = f"SELECT {_LSN_BYTES}"
 _CHECKPOINT_SETTINGS = (
     "SELECT pg_size_bytes(current_setting('max_wal_size'))::double precision,"
     " current_setting('checkpoint_completion_target')::double precision,"

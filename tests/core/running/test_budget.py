@@ -178,6 +178,32 @@ class SlotSampler(threading.Thread):
         return max((len(held) for t, held in self.samples if t >= since), default=0)
 
 
+class Foreground(threading.Thread):
+    """Another session at work: a statement every 20 ms on a connection of its own until stopped."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.halt = dsn, threading.Event()
+
+    def run(self) -> None:
+        conn = _admin(self.dsn)
+        try:
+            while not self.halt.is_set():
+                rows(conn, "SELECT 1")
+                self.halt.wait(0.02)
+        finally:
+            conn.close()
+
+    def __enter__(self) -> Foreground:
+        self.start()
+        time.sleep(0.1)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.join(10)
+
+
 def run_in_threads(
     dsn: str,
     jobs: Sequence[tuple[RetentionPolicy, ChunkSpec]],
@@ -563,24 +589,8 @@ def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(
     table = events(db, schema, count=6000)
     policy = make_policy(schema, batch_size=100, budget={**BUDGET, "max_wal_rate": 0.05})
     plan = make_plan(db, policy)
-    foreground = _admin(budget_dsn)
-    pid = foreground.get_backend_pid()
-
-    def busy() -> None:
-        try:
-            rows(foreground, "SELECT pg_sleep(60)")
-        except Exception:  # noqa: BLE001 - cancelled below
-            pass
-
-    worker = threading.Thread(target=busy, daemon=True)
-    worker.start()
-    try:
-        with closing(connect("psycopg", budget_dsn)) as conn:
-            result = run_chunk(conn, policy, CUTOFF, plan.chunks[0], on_batch=lambda r: time.sleep(0.01))
-    finally:
-        rows(db, "SELECT pg_cancel_backend(%(p)s)", {"p": pid})
-        worker.join(10)
-        foreground.close()
+    with Foreground(budget_dsn), closing(connect("psycopg", budget_dsn)) as conn:
+        result = run_chunk(conn, policy, CUTOFF, plan.chunks[0], on_batch=lambda r: time.sleep(0.01))
     seen = rows(
         db,
         "SELECT move, reasons, (signals -> 'wal_rate' ->> 'value')::float8, signals -> 'wal_rate' ->> 'lsn'"
@@ -597,32 +607,6 @@ def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(
 
 
 # -- pauses per reason ------------------------------------------------------------------------------
-
-
-class Foreground(threading.Thread):
-    """Another session at work: a statement every 20 ms on a connection of its own until stopped."""
-
-    def __init__(self, dsn: str) -> None:
-        super().__init__(daemon=True)
-        self.dsn, self.halt = dsn, threading.Event()
-
-    def run(self) -> None:
-        conn = _admin(self.dsn)
-        try:
-            while not self.halt.is_set():
-                rows(conn, "SELECT 1")
-                self.halt.wait(0.02)
-        finally:
-            conn.close()
-
-    def __enter__(self) -> Foreground:
-        self.start()
-        time.sleep(0.1)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.halt.set()
-        self.join(10)
 
 
 def test_a_budget_starting_beside_another_session_starts_slow_and_says_why(
