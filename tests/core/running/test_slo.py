@@ -33,8 +33,9 @@ def test_no_ledger_or_no_complete_run_has_no_slo(admin: Any, schema: str, conn: 
 
 
 def test_runs_purged_by_the_engine_give_mu_c_lambda_and_the_pauses(admin: Any, schema: str, conn: Any) -> None:
-    # A duty cycle of a half: the rests are recorded as paused (max_duty_cycle) and left out of μ.
-    policy = make_policy(schema, budget=True, chunk_rows=300, max_duty_cycle=0.5)
+    # A duty cycle of 5 %, below the budget's slow start (10 %, beside the other tests' sessions, where a slow
+    # canary keeps it): the rests are recorded as paused (max_duty_cycle) and left out of μ.
+    policy = make_policy(schema, budget=True, chunk_rows=300, max_duty_cycle=0.05)
     table = create_events(admin, schema)
     fill_events(admin, table, 2000)
     eligible = len(eligible_ids(admin, table))
@@ -57,8 +58,7 @@ def test_runs_purged_by_the_engine_give_mu_c_lambda_and_the_pauses(admin: Any, s
     for c in chunks:
         for reason, seconds in c["paused"].items():
             paused[reason] = paused.get(reason, 0.0) + seconds
-    # Rests at the policy's duty cycle, and at the budget's slow start while other tests' sessions work.
-    assert set(paused) <= {"max_duty_cycle", "slow_start"} and sum(paused.values()) > 0, paused
+    assert paused.get("max_duty_cycle", 0) > 0, paused
     assert slo.paused_seconds == pytest.approx(paused, abs=1e-3)
     assert slo.mu_rows_per_s == pytest.approx(eligible / worked, rel=1e-3)
     # One run of a daily policy: λ is its rows over one day; nothing left, so the backlog is 0.
@@ -76,14 +76,14 @@ def test_runs_purged_by_the_engine_give_mu_c_lambda_and_the_pauses(admin: Any, s
     assert slo.observations == len(seen)
     ends = [o["at"] for o in seen[1:]] + [last]
     held = [(end - o["at"]).total_seconds() for o, end in zip(seen, ends, strict=True)]
-    shares = [0.0 if o["paused"] else o["concurrency"] * min(o["duty"], 0.5) for o in seen]
+    shares = [0.0 if o["paused"] else o["concurrency"] * min(o["duty"], policy.max_duty_cycle) for o in seen]
     expected_c = (
         sum(s * h for s, h in zip(shares, held, strict=True)) / sum(held)
         if sum(held) > 0
         else sum(shares) / len(shares)
     )
     assert slo.concurrency == pytest.approx(expected_c, rel=1e-6)
-    assert slo.concurrency <= 0.5
+    assert slo.concurrency <= policy.max_duty_cycle
     assert slo.capacity_rows == pytest.approx(slo.concurrency * slo.mu_rows_per_s * 86_400)
     assert slo.needed_rows == pytest.approx(eligible)
     assert slo.keeps_up is True and slo.warnings == []
