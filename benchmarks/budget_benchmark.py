@@ -40,6 +40,12 @@ chart (``--chart``, needs matplotlib: the ``bench`` extra) of the foreground's p
 allowed concurrency and duty cycle, and the rows deleted per second, and checks the controller: its first
 step down after the rise and its first step up after the fall, the largest move between two
 observations, and the reversals.
+
+Where pgbench's tail comes from (``timeline.py``): every pgbench case also counts, over 1.5x its p99 alone
+and over 4, 8, 16 and 50 ms, the slow transactions that overlapped one of the purge's batches, a
+checkpoint (from the server's log), both or neither, beside all transactions of each kind; and the
+server's WAL and disk writes per 10 s. A cause whose transactions are slow far more often than the
+others' is the tail.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
 import purge_benchmark as pb  # noqa: E402
+import timeline  # noqa: E402
 
 from airflow_retention.core.ledger.ledger import Ledger  # noqa: E402
 from airflow_retention.core.planning.planner import plan_run  # noqa: E402
@@ -86,6 +93,8 @@ DB = os.environ.get("RETENTION_BUDGET_BENCH_DB", "retention_budget_bench")
 PGBENCH = os.environ.get("PGBENCH", "/usr/bin/pgbench")
 WARMUP_S = 1.0  # pgbench's first second: its connections, left out of its latencies
 ELIGIBLE_SHARE = 0.56  # of the table's rows (purge_benchmark's table), for chunk_rows
+# Besides 1.5x the foreground's p99 alone: where the slow transactions of several sizes come from.
+TAIL_THRESHOLDS_MS = (4.0, 8.0, 16.0, 50.0)
 PGBENCH_RESET = ("VACUUM pgbench_branches, pgbench_tellers", "TRUNCATE pgbench_history")
 
 
@@ -299,14 +308,17 @@ def measure(
     before = pb.wal_lsn(admin)
     latencies: list[float] = []
     since = datetime.now(timezone.utc)
-    with tempfile.TemporaryDirectory(prefix="budget-bench-") as tmp:
+    transactions: list[tuple[float, float]] = []
+    sampler = timeline.Sampler(dsn, setup=lambda conn: Ledger("bench_ledger").mark(conn, True))
+    with tempfile.TemporaryDirectory(prefix="budget-bench-") as tmp, sampler:
         if foreground == "pgbench":
             with PgBench(dsn, args.pgbench_rate, Path(tmp), clients=args.pgbench_clients) as bench:
                 time.sleep(WARMUP_S + 0.5)
                 started = time.time()
                 rows, notes = purge()
                 ended = time.time()
-            latencies = bench.latencies(started, ended)
+            transactions = [(at, ms) for at, ms in bench.log() if started <= at <= ended]
+            latencies = [ms for _, ms in transactions]
         elif foreground == "light":
             with pb.Foreground(dsn, live) as fg:
                 started = time.time()
@@ -322,7 +334,18 @@ def measure(
     admin.close()
     if rows and left:
         raise AssertionError(f"{case}: {left} eligible rows left")
-    notes.pop("batch_log", None)
+    batch_log = notes.pop("batch_log", None) or []
+    if transactions:
+        # Where the tail comes from: the slow transactions against the batches and checkpoints they met.
+        notes["tail"] = timeline.causes(
+            transactions,
+            [(at - ms / 1000, at) for at, _, ms in batch_log],
+            timeline.checkpoints(started, ended),
+            sampler.samples,
+            started,
+            ended,
+            sorted({*([round(args.slow_ms, 2)] if getattr(args, "slow_ms", None) else []), *TAIL_THRESHOLDS_MS}),
+        )
     notes["load_before"] = round(load, 2)
     notes["load_after"] = round(os.getloadavg()[0], 2)
     if "workers" in notes:
@@ -331,6 +354,15 @@ def measure(
     p50, p99 = percentiles(latencies)
     rate = rows / seconds if rows else 0.0
     print(f"  {seconds:.1f} s, {rows:,} rows; {foreground} p50 {p50:.2f} ms, p99 {p99:.2f} ms", flush=True)
+    if tail := notes.get("tail"):
+        print(
+            f"  {tail['transactions']} transactions; batches {tail['time_in_batches']:.0%} of the time,"
+            f" checkpoints {tail['time_in_checkpoints']}; all by overlap {tail['all_by_overlap']};"
+            f" WAL {tail.get('wal_mb_s')} MB/s, disk {tail.get('disk_write_mb_s')} MB/s",
+            flush=True,
+        )
+        for threshold, kinds in tail["slow"].items():
+            print(f"    over {threshold} ms: {kinds}", flush=True)
     return Result(case, foreground, seconds, rows, rate, wal, p50, p99, len(latencies), notes)
 
 
@@ -692,7 +724,15 @@ def main(argv: list[str] | None = None) -> int:
         prepare(dsn, "bench_ledger")  # a table for the foregrounds alone before the first case
         if not args.only_step:
             for fg in args.foregrounds:
+                args.slow_ms = None
+                if fg == args.foregrounds[0]:
+                    # Discarded: the first seconds after the tables were built (autovacuum, the first
+                    # reads of each table) put the first measurement's p99 at several times the next ones'.
+                    print("warming up ...", flush=True)
+                    alone(dsn, fg, args)
                 before = alone(dsn, fg, args)
+                # A transaction over the target (1.5x its p99 alone) is slow: what did the slow ones meet?
+                args.slow_ms = 1.5 * before.fg_p99_ms
                 for name, purge in cases:
                     print(f"running {name} beside {fg} (load {os.getloadavg()[0]:.1f}) ...", flush=True)
                     results.append(measure(dsn, name, purge, fg, args))
