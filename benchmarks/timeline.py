@@ -114,19 +114,8 @@ def checkpoints(since: float, until: float, log: Path | None = None) -> list[dic
     return out
 
 
-def _covered(intervals: list[Interval], since: float, until: float) -> float:
-    """Seconds of [since, until] inside any of the intervals."""
-    total, reach = 0.0, since
-    for lo, hi in sorted(intervals):
-        lo, hi = max(lo, reach), min(hi, until)
-        if hi > lo:
-            total += hi - lo
-            reach = hi
-    return total
-
-
 class _Overlaps:
-    """Does [lo, hi] overlap any of the (sorted, merged) intervals?"""
+    """Intervals, merged: does [lo, hi] overlap any of them, and how much of a span do they cover?"""
 
     def __init__(self, intervals: list[Interval]) -> None:
         merged: list[list[float]] = []
@@ -141,6 +130,10 @@ class _Overlaps:
     def __call__(self, lo: float, hi: float) -> bool:
         i = bisect_left(self.starts, hi)  # intervals starting before hi
         return i > 0 and self.merged[i - 1][1] >= lo
+
+    def covered(self, since: float, until: float) -> float:
+        """Seconds of [since, until] inside any of the intervals."""
+        return sum(max(0.0, min(hi, until) - max(lo, since)) for lo, hi in self.merged)
 
 
 def causes(
@@ -179,8 +172,8 @@ def causes(
             per_10s[int((at - since) // 10)] = per_10s.get(int((at - since) // 10), 0) + 1
     return {
         "transactions": len(transactions),
-        "time_in_batches": round(_covered(batches, since, until) / span, 3),
-        "time_in_checkpoints": round(_covered(ckpts, since, until) / span, 3) if checkpoint_list is not None else None,
+        "time_in_batches": round(in_batch.covered(since, until) / span, 3),
+        "time_in_checkpoints": round(in_ckpt.covered(since, until) / span, 3) if checkpoint_list is not None else None,
         "all_by_overlap": all_counts,
         # Over each threshold: how many, and the share of each kind's transactions (slow / all of the kind).
         "slow": {
@@ -216,18 +209,17 @@ def _rates(samples: list[tuple[float, int, int, int, int, int | None]], since: f
     }
     if first[5] is not None and last[5] is not None:
         out["disk_write_mb_s"] = round((last[5] - first[5]) * 512 / seconds / 2**20, 2)
-        per: list[float] = []
-        mark = first
-        for s in inside[1:]:
-            if s[0] - mark[0] >= 10:
-                per.append(round((s[5] - mark[5]) * 512 / (s[0] - mark[0]) / 2**20, 1))
-                mark = s
-        out["disk_write_mb_s_per_10s"] = per
-    per_wal: list[float] = []
-    mark = first
-    for s in inside[1:]:
+        out["disk_write_mb_s_per_10s"] = _per_10s(inside, 5, 512)
+    out["wal_mb_s_per_10s"] = _per_10s(inside, 1, 1)
+    return out
+
+
+def _per_10s(samples: list[tuple[float, int, int, int, int, int | None]], index: int, unit: int) -> list[float]:
+    """MB/s of the counter at ``index`` (in ``unit`` bytes) over each 10 s or more between samples."""
+    out: list[float] = []
+    mark = samples[0]
+    for s in samples[1:]:
         if s[0] - mark[0] >= 10:
-            per_wal.append(round((s[1] - mark[1]) / (s[0] - mark[0]) / 2**20, 1))
+            out.append(round((s[index] - mark[index]) * unit / (s[0] - mark[0]) / 2**20, 1))
             mark = s
-    out["wal_mb_s_per_10s"] = per_wal
     return out
