@@ -121,6 +121,30 @@ class LedgerTenants(LedgerSchema):
             {"r": run_key, "c": chunk_key, "d": deleted, "a": archived, "m": matched},
         )
 
+    def take_back_matched(
+        self, cur: Any, run_key: str, chunk_key: str, tenants: Sequence[str], *, same_tenant: str, listed: str
+    ) -> int:
+        """A dry run about to count dead-lettered tenants of a chunk again, from the chunk's start: what
+        earlier walks counted of them comes off the chunk's and the tenants' ``rows_matched`` (a dry run
+        deletes nothing, so the new walk counts those rows again). Returns the rows taken back.
+
+        :param same_tenant: the ledger's ``tenant`` as the tenant column compares it
+            (:func:`~airflow_retention.core.sql.predicate.tenant_value`): every spelling a batch counted.
+        :param listed: ``%(t)s`` as an array of the tenant column's type
+            (:func:`~airflow_retention.core.sql.predicate.tenant_values`)."""
+        cur.execute(
+            f"WITH old AS (SELECT tenant, rows_matched FROM {self.s}.tenant_counts WHERE run_key = %(r)s"
+            f" AND chunk_key = %(c)s AND {same_tenant} = ANY({listed}) FOR UPDATE),"
+            f" zeroed AS (UPDATE {self.s}.tenant_counts t SET rows_matched = 0 FROM old"
+            " WHERE t.run_key = %(r)s AND t.chunk_key = %(c)s AND t.tenant = old.tenant),"
+            " taken AS (SELECT coalesce(sum(rows_matched), 0)::bigint AS n FROM old)"
+            f" UPDATE {self.s}.chunks SET rows_matched = rows_matched - taken.n FROM taken"
+            " WHERE run_key = %(r)s AND chunk_key = %(c)s RETURNING taken.n",
+            {"r": run_key, "c": chunk_key, "t": list(tenants)},
+        )
+        row = cur.fetchone()
+        return int(row[0]) if row is not None else 0
+
     def resolve_dead_letters(self, cur: Any, run_key: str, chunk_key: str, tenants: Sequence[str]) -> None:
         cur.execute(
             f"UPDATE {self.s}.dead_letters SET resolved_at = clock_timestamp() WHERE run_key = %(r)s"

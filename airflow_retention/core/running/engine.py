@@ -353,6 +353,8 @@ def settle_dead_letters(run: ChunkRun, statement: BatchStatement) -> None:
                  ", ".join(failed[:10]))  # fmt: skip
         walker = walker_for(run.policy, run.target, run.chunk, tenants=failed)
         redo = RedoProgress(run, walker, failed)
+        if run.policy.dry_run:
+            redo.take_back_counted()
         walk(run, walker, statement, redo)
         letters = redo.settle()
         if not letters:

@@ -26,7 +26,7 @@ from airflow_retention.core.running.context import ChunkRun
 from airflow_retention.core.running.isolation import TenantFailure
 from airflow_retention.core.running.partition_checks import gone_reason, partition_state
 from airflow_retention.core.sql.partitions import lock_statement
-from airflow_retention.core.sql.predicate import tenant_cutoff, tenant_value
+from airflow_retention.core.sql.predicate import tenant_cutoff, tenant_value, tenant_values
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,29 @@ class RedoProgress(Progress):
         if self.walker.done(self.at) or not self.going():
             return None
         return self.at
+
+    def take_back_counted(self) -> None:
+        """A dry run, before its walk: the walk starts at the chunk's start and, a dry run having deleted
+        nothing, meets again the rows the earlier walks counted before each tenant failed. Those counts
+        come off the ledger first, so that each row is counted once, by the last walk."""
+        run = self.run
+        with dbapi.transaction(run.conn) as cur:
+            taken = run.ledger.take_back_matched(
+                cur,
+                run.key,
+                run.chunk.key,
+                self.failed,
+                same_tenant=tenant_value(run.target, "tenant"),
+                listed=tenant_values(run.target, "%(t)s"),
+            )
+        if taken:
+            log.info(
+                "chunk %s: dry run: the %d row(s) of tenant(s) %s counted before they failed are counted again"
+                " by this walk",
+                run.chunk.key,
+                taken,
+                ", ".join(self.failed[:10]),
+            )
 
     def going(self) -> list[str]:
         return [t for t in self.failed if t not in self.still]
