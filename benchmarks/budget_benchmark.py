@@ -8,7 +8,7 @@ unbounded DELETE, on a busy and on an idle database, and a step load, in one run
                                           [--step-rates 100 600] [--step-at 8 28] [--step-copies 3]
                                           [--skip-step | --only-step]
                                           [--chart docs/img/budget-step-load.png] [--verbose]
-                                          [--dsn DSN] [--json out.json]
+                                          [--set FIELD=VALUE ...] [--dsn DSN] [--json out.json]
     python benchmarks/budget_benchmark.py --markdown results.json   # the JSON as docs/performance.md's table
 
 In a database of its own (``retention_budget_bench``): the table, its copy before every run and the
@@ -31,6 +31,9 @@ own connection, taking the next chunk of the same planned run as it finishes one
 slots run the mapped chunk tasks. For each foreground: its p50/p99 alone (before and after the cases,
 median), then during each case, and the ratio. Then the same cases with no foreground (the idle
 database): a purge under the budget must not cost speed when nobody is there.
+
+``--set wal_compression=lz4`` (any policy field, YAML spelling, several allowed) changes the new defaults of
+``c``, ``d`` and the step load, and is written into their names and the JSON.
 
 The step load (``--skip-step`` leaves it out): the new defaults on 4 workers, while pgbench runs at the
 first ``--step-rates`` value, a second pgbench adds the difference from ``--step-at``'s first second
@@ -71,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
+import yaml
 from psycopg2.extensions import make_dsn
 
 BENCH = Path(__file__).resolve().parent
@@ -659,6 +663,14 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _override(text: str) -> tuple[str, Any]:
+    """``FIELD=VALUE`` of ``--set``, the value parsed as YAML (``0.5`` a number, ``lz4`` a string)."""
+    field, sep, value = text.partition("=")
+    if not sep or not field:
+        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE (a policy field, e.g. wal_compression=lz4)")
+    return field.strip(), yaml.safe_load(value)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
@@ -686,6 +698,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--chart", type=Path, default=BENCH.parent / "docs" / "img" / "budget-step-load.png")
     parser.add_argument("--verbose", action="store_true", help="log the budget's moves (INFO)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="FIELD=VALUE",
+        action="append",
+        default=[],
+        help="a policy field of cases c, d and the step load (YAML spelling and value, e.g. wal_compression=lz4)",
+    )
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_budget_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-budget.json")
     parser.add_argument("--markdown", type=Path, help="print a results JSON as a Markdown table, and exit")
@@ -698,7 +718,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("airflow_retention.core.running.budget").setLevel(logging.INFO)
     rows = 10_000_000 if args.large else args.rows
     chunk_rows = max(1, int(rows * ELIGIBLE_SHARE / args.chunks))
-    new = policy_with(chunk_rows=chunk_rows)
+    overrides = dict(_override(o) for o in args.overrides)
+    new = policy_with(chunk_rows=chunk_rows, **overrides)
+    shown = "".join(f", {k} {v}" for k, v in overrides.items())
     old = policy_with(chunk_rows=chunk_rows, budget=False)
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
@@ -713,11 +735,11 @@ def main(argv: list[str] | None = None) -> int:
         if "b" in args.cases:
             cases.append((f"b. budget off (before), {w} worker(s)", lambda w=w: engine(dsn, old, w)))
     if "c" in args.cases and 1 in args.workers:
-        cases.append(("c. new defaults, 1 worker", lambda: engine(dsn, new, 1)))
+        cases.append((f"c. new defaults{shown}, 1 worker", lambda: engine(dsn, new, 1)))
     if "d" in args.cases:
         for w in args.workers:
             if w > 1:
-                cases.append((f"d. new defaults, {w} workers", lambda w=w: engine(dsn, new, w)))
+                cases.append((f"d. new defaults{shown}, {w} workers", lambda w=w: engine(dsn, new, w)))
     try:
         pb.build_template(dsn, rows)
         pgbench_init(dsn, args.pgbench_scale)
@@ -759,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows": rows,
                 "chunk_rows": chunk_rows,
                 "pgbench": {"rate": args.pgbench_rate, "clients": args.pgbench_clients, "scale": args.pgbench_scale},
+                "overrides": overrides,
                 "budget": new.budget.to_dict(),
                 "ladder": [asdict(s) for s in ladder(new.budget.max_workers)],
                 "alone": {fg: asdict(r) for fg, r in alone_by_fg.items()},
