@@ -8,7 +8,8 @@ unbounded DELETE, on a busy and on an idle database, and a step load, in one run
                                           [--step-rates 100 600] [--step-at 8 28] [--step-copies 3]
                                           [--skip-step | --only-step]
                                           [--chart docs/img/budget-step-load.png] [--verbose]
-                                          [--set FIELD=VALUE ...] [--dsn DSN] [--json out.json]
+                                          [--set FIELD=VALUE ...] [--variant FIELD=VALUE[,...] ...]
+                                          [--dsn DSN] [--json out.json]
     python benchmarks/budget_benchmark.py --markdown results.json   # the JSON as docs/performance.md's table
 
 In a database of its own (``retention_budget_bench``): the table, its copy before every run and the
@@ -33,7 +34,8 @@ median), then during each case, and the ratio. Then the same cases with no foreg
 database): a purge under the budget must not cost speed when nobody is there.
 
 ``--set wal_compression=lz4`` (any policy field, YAML spelling, several allowed) changes the new defaults of
-``c``, ``d`` and the step load, and is written into their names and the JSON.
+``c``, ``d`` and the step load, and is written into their names and the JSON; ``--variant
+wal_compression=lz4`` runs ``c`` and ``d`` once more with it, beside the plain ones in the same run.
 
 The step load (``--skip-step`` leaves it out): the new defaults on 4 workers, while pgbench runs at the
 first ``--step-rates`` value, a second pgbench adds the difference from ``--step-at``'s first second
@@ -706,6 +708,14 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a policy field of cases c, d and the step load (YAML spelling and value, e.g. wal_compression=lz4)",
     )
+    parser.add_argument(
+        "--variant",
+        dest="variants",
+        metavar="FIELD=VALUE[,FIELD=VALUE]",
+        action="append",
+        default=[],
+        help="cases c and d once more with these policy fields changed, in the same run (repeatable)",
+    )
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_budget_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-budget.json")
     parser.add_argument("--markdown", type=Path, help="print a results JSON as a Markdown table, and exit")
@@ -720,7 +730,11 @@ def main(argv: list[str] | None = None) -> int:
     chunk_rows = max(1, int(rows * ELIGIBLE_SHARE / args.chunks))
     overrides = dict(_override(o) for o in args.overrides)
     new = policy_with(chunk_rows=chunk_rows, **overrides)
-    shown = "".join(f", {k} {v}" for k, v in overrides.items())
+    # The new defaults, then each --variant of them: measured side by side in the same run.
+    variants = [(overrides, new)]
+    for text in args.variants:
+        changed = {**overrides, **dict(_override(o) for o in text.split(","))}
+        variants.append((changed, policy_with(chunk_rows=chunk_rows, **changed)))
     old = policy_with(chunk_rows=chunk_rows, budget=False)
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
@@ -734,12 +748,14 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workers:
         if "b" in args.cases:
             cases.append((f"b. budget off (before), {w} worker(s)", lambda w=w: engine(dsn, old, w)))
-    if "c" in args.cases and 1 in args.workers:
-        cases.append((f"c. new defaults{shown}, 1 worker", lambda: engine(dsn, new, 1)))
-    if "d" in args.cases:
-        for w in args.workers:
-            if w > 1:
-                cases.append((f"d. new defaults{shown}, {w} workers", lambda w=w: engine(dsn, new, w)))
+    for changed, policy in variants:
+        shown = "".join(f", {k} {v}" for k, v in changed.items())
+        if "c" in args.cases and 1 in args.workers:
+            cases.append((f"c. new defaults{shown}, 1 worker", lambda p=policy: engine(dsn, p, 1)))
+        if "d" in args.cases:
+            for w in args.workers:
+                if w > 1:
+                    cases.append((f"d. new defaults{shown}, {w} workers", lambda w=w, p=policy: engine(dsn, p, w)))
     try:
         pb.build_template(dsn, rows)
         pgbench_init(dsn, args.pgbench_scale)
@@ -782,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
                 "chunk_rows": chunk_rows,
                 "pgbench": {"rate": args.pgbench_rate, "clients": args.pgbench_clients, "scale": args.pgbench_scale},
                 "overrides": overrides,
+                "variants": [changed for changed, _ in variants[1:]],
                 "budget": new.budget.to_dict(),
                 "ladder": [asdict(s) for s in ladder(new.budget.max_workers)],
                 "alone": {fg: asdict(r) for fg, r in alone_by_fg.items()},
