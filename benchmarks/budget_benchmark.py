@@ -666,10 +666,10 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def _override(text: str) -> tuple[str, Any]:
-    """``FIELD=VALUE`` of ``--set``, the value parsed as YAML (``0.5`` a number, ``lz4`` a string)."""
+    """``FIELD=VALUE`` of ``--set`` and ``--variant``, the value parsed as YAML (``0.5`` a number, ``lz4`` a string)."""
     field, sep, value = text.partition("=")
     if not sep or not field:
-        raise SystemExit(f"--set {text!r}: expected FIELD=VALUE (a policy field, e.g. wal_compression=lz4)")
+        raise SystemExit(f"{text!r}: expected FIELD=VALUE (a policy field, e.g. wal_compression=lz4)")
     return field.strip(), yaml.safe_load(value)
 
 
