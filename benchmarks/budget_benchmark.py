@@ -369,6 +369,13 @@ def measure(
         )
         for threshold, kinds in tail["slow"].items():
             print(f"    over {threshold} ms: {kinds}", flush=True)
+        for key, value in tail.items():
+            if key.startswith("no_batch_over_"):
+                print(
+                    f"    met no batch, {key.removeprefix('no_batch_over_')} ms and over [slow, all, share]: {value};"
+                    f" autovacuum {tail['time_in_autovacuum']:.0%} of the time",
+                    flush=True,
+                )
     return Result(case, foreground, seconds, rows, rate, wal, p50, p99, len(latencies), notes)
 
 

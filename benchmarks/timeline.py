@@ -20,6 +20,7 @@ import threading
 import time
 from bisect import bisect_left
 from datetime import datetime, timezone
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,11 @@ Interval = tuple[float, float]  # epoch seconds
 
 _STATS = (
     "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint, buffers_checkpoint, buffers_clean,"
-    " buffers_backend FROM pg_stat_bgwriter"
+    " buffers_backend, (SELECT count(*) FROM pg_stat_progress_vacuum) FROM pg_stat_bgwriter"
 )
+# A transaction starting this soon after a batch's end is "after a batch": the batch's WAL (committed
+# asynchronously) is flushed by the next commits, and its dirty pages are still in shared buffers.
+AFTER_BATCH_S = 0.25
 _CHECKPOINT = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+) UTC \[\d+\] LOG:  checkpoint (starting|complete)(?:: (.*))?$"
 )
@@ -46,12 +50,16 @@ def _disk_sectors_written() -> int | None:
     return sum(int(f[9]) for f in map(str.split, lines) if len(f) > 9 and f[2] in disks)
 
 
+# (time, WAL bytes, buffers_checkpoint, buffers_clean, buffers_backend, disk sectors written, vacuums running)
+Sample = tuple[float, int, int, int, int, "int | None", int]
+
+
 class Sampler:
     """Samples the server every ``interval`` seconds on a connection of its own until stopped."""
 
     def __init__(self, dsn: str, interval: float = 0.5, *, setup: Any = None) -> None:
         self.dsn, self.interval, self.setup = dsn, interval, setup
-        self.samples: list[tuple[float, int, int, int, int, int | None]] = []
+        self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -64,8 +72,10 @@ class Sampler:
             with conn.cursor() as cur:
                 while not self._stop.is_set():
                     cur.execute(_STATS)
-                    wal, ckpt, clean, backend = cur.fetchone()
-                    self.samples.append((time.time(), int(wal), ckpt, clean, backend, _disk_sectors_written()))
+                    wal, ckpt, clean, backend, vacuums = cur.fetchone()
+                    self.samples.append(
+                        (time.time(), int(wal), ckpt, clean, backend, _disk_sectors_written(), int(vacuums))
+                    )
                     self._stop.wait(self.interval)
         finally:
             conn.close()
@@ -140,7 +150,7 @@ def causes(
     transactions: list[tuple[float, float]],
     batches: list[Interval],
     checkpoint_list: list[dict[str, Any]] | None,
-    samples: list[tuple[float, int, int, int, int, int | None]],
+    samples: list[Sample],
     since: float,
     until: float,
     thresholds_ms: list[float],
@@ -160,11 +170,20 @@ def causes(
     slow = {t: dict.fromkeys(kinds, 0) for t in thresholds_ms}
     first = min(thresholds_ms)
     per_10s: dict[int, int] = {}
+    # The transactions that met no batch, by what else was going on: just after a batch, autovacuum, other.
+    after_batch = _Overlaps([(hi, hi + AFTER_BATCH_S) for _, hi in batches])
+    in_vacuum = _Overlaps([(a[0], b[0]) for a, b in pairwise(samples) if a[6] or b[6]])
+    besides = ("after_batch", "autovacuum", "other")
+    beside_all, beside_slow = dict.fromkeys(besides, 0), dict.fromkeys(besides, 0)
     for at, ms in transactions:
         lo = at - ms / 1000
         b, c = in_batch(lo, at), in_ckpt(lo, at)
         kind = "both" if b and c else "batch" if b else "checkpoint" if c else "neither"
         all_counts[kind] += 1
+        if not b:
+            where = "after_batch" if after_batch(lo, at) else "autovacuum" if in_vacuum(lo, at) else "other"
+            beside_all[where] += 1
+            beside_slow[where] += ms > first
         for t in thresholds_ms:
             if ms > t:
                 slow[t][kind] += 1
@@ -181,6 +200,12 @@ def causes(
             for t, counts in slow.items()
         },
         f"slow_over_{first:g}_per_10s": [per_10s.get(i, 0) for i in range(int(span // 10) + 1)],
+        # The transactions that met no batch, over the first threshold: [slow, all, share] by what was beside.
+        f"no_batch_over_{first:g}": {
+            k: [beside_slow[k], beside_all[k], round(beside_slow[k] / beside_all[k], 4) if beside_all[k] else None]
+            for k in besides
+        },
+        "time_in_autovacuum": round(in_vacuum.covered(since, until) / span, 3),
         "checkpoints": [
             {
                 "start_s": round(c["start"] - since, 1),
@@ -194,7 +219,7 @@ def causes(
     }
 
 
-def _rates(samples: list[tuple[float, int, int, int, int, int | None]], since: float, until: float) -> dict[str, Any]:
+def _rates(samples: list[Sample], since: float, until: float) -> dict[str, Any]:
     """WAL MB/s, disk MB/s and the checkpointer's/backends' buffer writes over the span, per 10 s."""
     inside = [s for s in samples if since - 1 <= s[0] <= until + 1]
     if len(inside) < 2:
@@ -214,7 +239,7 @@ def _rates(samples: list[tuple[float, int, int, int, int, int | None]], since: f
     return out
 
 
-def _per_10s(samples: list[tuple[float, int, int, int, int, int | None]], index: int, unit: int) -> list[float]:
+def _per_10s(samples: list[Sample], index: int, unit: int) -> list[float]:
     """MB/s of the counter at ``index`` (in ``unit`` bytes) over each 10 s or more between samples."""
     out: list[float] = []
     mark = samples[0]

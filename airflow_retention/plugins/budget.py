@@ -20,6 +20,7 @@ from airflow_retention.cli.timefmt import human_seconds
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.ledger.budget import SCOPE
 from airflow_retention.core.ledger.ledger import Ledger
+from airflow_retention.core.ledger.slo import at_floor_sql
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.budget import STALE_MIN_S, STALE_PERIODS
 
@@ -61,11 +62,12 @@ class BudgetView:
     observed_at: datetime | None
     age_s: float | None
     live: bool
+    min_duty: float = 0.01
 
     @property
     def at_floor(self) -> bool:
-        """Held at the lowest step (one batch at a time, busy 1 % of the time) or paused."""
-        return self.paused or self.level == 0
+        """Held at the policy's floor (one batch at a time, busy ``min_duty`` of the time or less) or paused."""
+        return self.paused or (self.concurrency == 1 and self.duty <= self.min_duty * 1.0001)
 
     def describe(self) -> str:
         """``paused`` or ``2 batch(es) at once, busy 100%``."""
@@ -104,6 +106,7 @@ def budget_view(state: Mapping[str, Any] | None, policy: RetentionPolicy) -> Bud
         observed_at=state.get("observed_at"),
         age_s=age,
         live=age is not None and age <= fresh_s,
+        min_duty=settings.min_duty,
     )
 
 
@@ -165,14 +168,17 @@ def span_end(run: RunSummary, now: datetime) -> datetime:
     return now if run.running or run.last_batch_at is None else run.last_batch_at
 
 
-def run_pressures(conn: Any, ledger: Ledger, runs: Sequence[RunSummary], now: datetime) -> dict[str, RunPressure]:
-    """The budget's observations during each run's span, summed up (one statement for every run)."""
+def run_pressures(
+    conn: Any, ledger: Ledger, runs: Sequence[RunSummary], now: datetime, *, min_duty: float = 0.01
+) -> dict[str, RunPressure]:
+    """The budget's observations during each run's span, summed up (one statement for every run); at the
+    floor: paused or at ``min_duty`` (the policy's) or below."""
     if not runs:
         return {}
     rows = dbapi.fetch_all(
         conn,
         "SELECT r.k, count(o.at), count(o.at) FILTER (WHERE o.paused),"
-        " count(o.at) FILTER (WHERE o.paused OR o.level = 0),"
+        f" count(o.at) FILTER (WHERE {at_floor_sql('o.')}),"
         " avg(CASE WHEN o.paused THEN 0 ELSE o.concurrency * o.duty END),"
         " max(CASE WHEN o.paused THEN 0 ELSE o.concurrency * o.duty END),"
         " percentile_cont(0.9) WITHIN GROUP (ORDER BY o.canary_ms / nullif(o.baseline_ms, 0)),"
@@ -185,6 +191,7 @@ def run_pressures(conn: Any, ledger: Ledger, runs: Sequence[RunSummary], now: da
             "starts": [r.planned_at for r in runs],
             "ends": [span_end(r, now) for r in runs],
             "scope": SCOPE,
+            "min_duty": min_duty,
         },
     )
     out: dict[str, RunPressure] = {}
@@ -274,7 +281,7 @@ def load_budget(
         key: {reason: seconds for reason, seconds in by_reason.items() if seconds}
         for key, by_reason in ledger.paused_by_run(conn, [r.run_key for r in runs]).items()
     }
-    pressures = run_pressures(conn, ledger, runs, now)
+    pressures = run_pressures(conn, ledger, runs, now, min_duty=policy.budget.min_duty)
     out: dict[str, RunBudget] = {}
     for run in runs:
         held = held_since(conn, ledger, run.last_batch_at or run.planned_at) if run.running else None

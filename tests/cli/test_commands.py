@@ -701,7 +701,7 @@ def test_status_shows_the_budget_the_pauses_per_reason_and_the_cleanup_slo(
     )
     rows(
         admin,
-        f"UPDATE {s}.budget_observations SET level = 0, duty = 0.1,"
+        f"UPDATE {s}.budget_observations SET level = 2, duty = 0.01,"
         " reasons = ARRAY['canary_latency 9.0 ms > 3.0 ms (baseline 1.0 ms)']",
     )
     rows(admin, f"UPDATE {s}.runs SET eligible_left = 1000000000000 WHERE run_key = %(k)s", {"k": plan.run_key})

@@ -112,11 +112,11 @@ def seed_budget_pressure(admin: Any, ledger_schema: str, held_run: str, floor_ru
         )
         assert cur.rowcount == 5
         if floor_run is not None:
-            # Twenty observations at the floor (level 0) spread over the run's span: more than the engine's.
+            # Twenty observations at the default floor (level 2: busy 1 %) over the run's span: more than the engine's.
             cur.execute(
                 f"INSERT INTO {s}.budget_observations (at, scope, level, concurrency, duty, paused, move, canary_ms,"
                 " baseline_ms, slots_busy, signals, reasons, observer)"
-                " SELECT r.planned_at + (r.completed_at - r.planned_at) * g / 21.0, 'database', 0, 1, 0.1, false,"
+                " SELECT r.planned_at + (r.completed_at - r.planned_at) * g / 21.0, 'database', 2, 1, 0.01, false,"
                 " 'down', 12.0, 3.0, 1, '{}'::jsonb, ARRAY['canary_latency 12.0 ms > 6.0 ms (baseline 3.0 ms)'],"
                 f" 'seed' FROM {s}.runs r, generate_series(1, 20) g WHERE r.run_key = %(k)s",
                 {"k": floor_run},

@@ -272,7 +272,8 @@ def _observations(admin: Any, ledger_schema: str, run_key: str) -> tuple[int, in
     or paused; counted with the test's own SQL."""
     with admin.cursor() as cur:
         cur.execute(
-            f'SELECT count(*), count(*) FILTER (WHERE o.paused OR o.level = 0) FROM "{ledger_schema}".runs r'
+            "SELECT count(*), count(*) FILTER (WHERE o.paused OR (o.concurrency = 1 AND o.duty <= 0.01))"
+            f' FROM "{ledger_schema}".runs r'
             f' JOIN "{ledger_schema}".budget_observations o ON o.at BETWEEN r.planned_at AND r.completed_at'
             " WHERE r.run_key = %s",
             (run_key,),

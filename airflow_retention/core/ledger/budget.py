@@ -52,7 +52,13 @@ class BudgetState:
 
 @dataclass(frozen=True)
 class TenantSlot:
-    """One of the ``ceiling`` slots of a tenant of a table (``max_workers_per_tenant``)."""
+    """One of the ``ceiling`` slots of a tenant of a table (``max_workers_per_tenant``).
+
+    ``table`` is the table's quoted name (:attr:`~airflow_retention.core.policy.identifiers.TableName.sql`,
+    resolved by the server's ``regclass``): the slot is keyed by the table's OID, so that two policies that
+    spell one table differently (``events``, ``public.events``) share its tenants' ceiling. Empty for
+    :data:`PURGE_MARK`, which is keyed by its text alone.
+    """
 
     table: str
     tenant: str
@@ -60,7 +66,8 @@ class TenantSlot:
 
     @property
     def key(self) -> str:
-        return f"{self.table}\x1f{self.tenant}\x1f{self.number}"
+        """The slot's key after the table's: hashed with the table's OID by the server."""
+        return f"{self.tenant}\x1f{self.number}"
 
 
 # A batch slot (its number) or a tenant slot.
@@ -74,7 +81,10 @@ PURGE_MARK = TenantSlot("", "", -1)
 def _lock_args(slot: Slot) -> tuple[str, dict[str, Any]]:
     """The advisory lock's two keys of ``slot``: SQL and parameters (the tenant's text hashed by the server)."""
     if isinstance(slot, TenantSlot):
-        return "%(k)s::integer, hashtext(%(slot)s::text)", {"k": TENANT_CLASS, "slot": slot.key}
+        params = {"k": TENANT_CLASS, "slot": slot.key, "table": slot.table}
+        if not slot.table:
+            return "%(k)s::integer, hashtext(%(slot)s::text)", params
+        return "%(k)s::integer, hashtext(concat(%(table)s::regclass::oid, chr(31), %(slot)s::text))", params
     return "%(k)s::integer, %(slot)s::integer", {"k": SLOT_CLASS, "slot": slot}
 
 

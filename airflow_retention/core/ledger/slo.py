@@ -18,6 +18,15 @@ from airflow_retention.core.ledger.schema import LedgerSchema
 
 # The version that added the budget's tables and ``chunks.paused``.
 BUDGET_VERSION = 8
+
+
+def at_floor_sql(alias: str = "") -> str:
+    """An observation of the budget (``alias``: its table's, with the dot) at a policy's floor: paused, or
+    one batch at a time busy no more than ``%(min_duty)s``, the policy's ``min_duty``."""
+    a = alias
+    return f"({a}paused OR ({a}concurrency = 1 AND {a}duty <= %(min_duty)s::float8 * 1.0001))"
+
+
 # Rows of a chunk: deleted, or matched in a dry run (the other is 0), as the planner's measured rate counts them.
 _CHUNK_ROWS = "(c.rows_deleted + c.rows_matched)"
 # The time a chunk worked: its first batch to its last, less its throttle's and its budget's pauses (the
@@ -119,13 +128,17 @@ class LedgerSlo(LedgerSchema):
             out.setdefault(key, {})[reason] = round(float(seconds), 3)
         return out
 
-    def budget_share(self, conn: Any, since: datetime, until: datetime, *, max_duty: float = 1.0) -> BudgetShare:
+    def budget_share(
+        self, conn: Any, since: datetime, until: datetime, *, max_duty: float = 1.0, min_duty: float = 0.0
+    ) -> BudgetShare:
         """The budget's observations from ``since`` to ``until``, with the one in force at ``since``: each
         holds until the next one (the last until ``until``), so the mean of ``concurrency x duty`` (the duty
-        no higher than ``max_duty``, the policy's own) is weighted by how long each held."""
+        no higher than ``max_duty``, the policy's own) is weighted by how long each held. At the floor: paused,
+        or one batch at a time busy no more than ``min_duty`` (the policy's floor)."""
         if not self._has_budget(conn):
             return BudgetShare(0, 0, None, ())
-        params = {"scope": SCOPE, "since": since, "until": until, "max_duty": max_duty}
+        params = {"scope": SCOPE, "since": since, "until": until, "max_duty": max_duty, "min_duty": min_duty}
+        at_floor = at_floor_sql()
         observed = f"SELECT at, level, concurrency, duty, paused, reasons FROM {self.s}.budget_observations"
         # The observation in force when the span began (the budget is observed before a run's first batch)
         # counts from the span's start; each held until the next one, the last until the span's end.
@@ -134,21 +147,21 @@ class LedgerSlo(LedgerSchema):
             " ORDER BY at DESC LIMIT 1)"
             f" UNION ALL {observed} WHERE scope = %(scope)s::text AND at > %(since)s::timestamptz"
             " AND at <= %(until)s::timestamptz),"
-            " o AS (SELECT level, paused, reasons,"
+            " o AS (SELECT level, concurrency, duty, paused, reasons,"
             " CASE WHEN paused THEN 0 ELSE concurrency * least(duty, %(max_duty)s::float8) END AS share,"
             " extract(epoch FROM coalesce(lead(at) OVER (ORDER BY at), %(until)s::timestamptz)"
             " - greatest(at, %(since)s::timestamptz)) AS held FROM b)"
         )
         count, floor, weighted, plain = dbapi.fetch_all(
             conn,
-            f"{held} SELECT count(*), count(*) FILTER (WHERE level = 0 OR paused),"
+            f"{held} SELECT count(*), count(*) FILTER (WHERE {at_floor}),"
             " sum(share * held) / nullif(sum(held), 0), avg(share) FROM o",
             params,
         )[0]
         reasons = dbapi.fetch_all(
             conn,
             f"{held} SELECT split_part(r, ' ', 1), count(*) FROM o, unnest(o.reasons) r"
-            " WHERE o.level = 0 OR o.paused GROUP BY 1 ORDER BY 2 DESC, 1",
+            f" WHERE {at_floor} GROUP BY 1 ORDER BY 2 DESC, 1",
             params,
         )
         mean = weighted if weighted is not None else plain

@@ -27,9 +27,13 @@ BUDGET_KEYS = {
     "max_archive_backlog": "max_archive_backlog",
     "yield_to_autovacuum": "yield_to_autovacuum",
     "max_wal_rate": "max_wal_rate",
+    "min_duty": "min_duty",
     "on_unreadable": "on_unreadable",
 }
 ON_UNREADABLE = ("open", "closed")
+# The range of ``min_duty``: the ladder's lowest duty cycle, and the lowest step the canary steps down to.
+LOWEST_DUTY = 0.0025
+HIGHEST_MIN_DUTY = 0.1
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class Budget:
         session works: ``"auto"`` (the rate at which checkpoints stay timed, ``max_wal_size / (1 +
         checkpoint_completion_target) / checkpoint_timeout``: faster forces them back to back, and their
         fsyncs stall the application's commits), a number, or ``false`` (recorded only). Quiet below 70 % of it.
+    :param min_duty: the floor: the lowest share of the time one batch may be busy, from 0.0025 (0.25 %)
+        to 0.1. Only the WAL rate takes the budget below 10 %; this is how far.
     :param on_unreadable: ``"open"``: a signal this role cannot read is reported and ignored; ``"closed"``:
         it counts as above its upper threshold.
     """
@@ -84,6 +90,7 @@ class Budget:
     max_archive_backlog: int = 42
     yield_to_autovacuum: bool = False
     max_wal_rate: float | str | None = "auto"
+    min_duty: float = 0.01
     on_unreadable: str = "open"
 
     def __post_init__(self) -> None:
@@ -151,6 +158,15 @@ def _validated(b: Budget) -> dict[str, Any]:
     if b.upper_latency_ms is not None and out["lower_latency_ms"] >= out["upper_latency_ms"]:
         raise ValueError("lower_latency must be below upper_latency: the band between is the hysteresis")
     out["max_wal_rate"] = _wal_rate(b.max_wal_rate)
+    if (
+        isinstance(b.min_duty, bool)
+        or not isinstance(b.min_duty, (int, float))
+        or not LOWEST_DUTY <= b.min_duty <= HIGHEST_MIN_DUTY
+    ):
+        raise ValueError(
+            f"min_duty: must be a share of the time from {LOWEST_DUTY:g} to {HIGHEST_MIN_DUTY:g}, got {b.min_duty!r}"
+        )
+    out["min_duty"] = float(b.min_duty)
     per_tenant = b.max_workers_per_tenant
     if per_tenant != "auto" and (
         isinstance(per_tenant, bool) or not isinstance(per_tenant, int) or not 1 <= per_tenant <= 64

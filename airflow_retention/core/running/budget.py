@@ -84,7 +84,7 @@ class SharedBudget:
         ceiling = self.settings.tenant_ceiling
         # No separate ceiling when it allows every slot.
         self.tenant_slots = (
-            [TenantSlot(str(policy.table), tenant, n) for n in range(ceiling)]
+            [TenantSlot(policy.table.sql, tenant, n) for n in range(ceiling)]
             if tenant is not None and ceiling < self.settings.max_workers
             else []
         )
@@ -192,7 +192,8 @@ class SharedBudget:
         """The duty cycle of the slot held: the budget's, or the policy's own when lower."""
         if not self.enabled or self.state is None:
             return self.policy.max_duty_cycle
-        return min(self.policy.max_duty_cycle, self.state.duty)
+        # A step below this policy's floor is another policy's (one budget per database).
+        return min(self.policy.max_duty_cycle, max(self.state.duty, self.settings.min_duty))
 
     def rested(self, seconds: float) -> None:
         """Account the rest after a batch (taken while holding the slot) to its reason."""

@@ -2,14 +2,14 @@
 purges may use next period. Plain functions of their inputs (no clock, no database), so that the
 hysteresis is tested with fake signals.
 
-The budget is a ladder of steps, from the floor (one batch at a time, busy 1 % of the time) through
+The budget is a ladder of steps, from the lowest (one batch at a time, busy 0.25 % of the time) through
 longer duty cycles to more batches at once (:func:`ladder`). The controller moves at most one step per
 observation period:
 
 - down one step in the period the canary's latency crosses its upper threshold or a signal whose effect
   is ``step`` is above its limit (promptly: no waiting for a second look), down to :data:`SIGNAL_FLOOR`;
   a signal that grows with the work allowed (the WAL rate) takes it straight to the step whose share of
-  the work brings the signal under its lower threshold, as low as the floor;
+  the work brings the signal under its lower threshold, as low as the policy's floor (``min_duty``);
 - up one step only after ``quiet_periods`` periods in a row with the latency below the lower threshold and
   every signal below its limit, or its own lower threshold where it has one (the WAL rate): slowly, so that
   a foreground that comes back is not chased;
@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from airflow_retention.core.db.pressure import PAUSE, STEP, Signal, fmt
-from airflow_retention.core.policy.budget import Budget
+from airflow_retention.core.policy.budget import LOWEST_DUTY, Budget
 
 # The duty cycles of one batch at a time, below the full one; from there, one more batch at a time per step.
 # The floor is low: beside pgbench, a purge must write WAL at about 1 % of its full speed for checkpoints to
-# stay timed (docs/performance.md, "The database budget").
-DUTY_STEPS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
+# stay timed (docs/performance.md, "The database budget"); a policy's min_duty says how low it may go.
+DUTY_STEPS = (LOWEST_DUTY, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75)
 # The lowest step the canary and the other signals step down to (busy 10 %): the steps below it are the WAL
 # rate's, whose value says how far down it must go. The canary's latency says only that the purge should
 # do less: on a loaded test machine it held purges at 1 % for minutes where 10 % had been enough.
@@ -57,6 +57,11 @@ class Step:
 def ladder(max_workers: int) -> list[Step]:
     """Every step of a budget of at most ``max_workers`` batches at once, lowest first."""
     return [Step(1, d) for d in DUTY_STEPS] + [Step(c, 1.0) for c in range(1, max_workers + 1)]
+
+
+def floor_level(budget: Budget) -> int:
+    """The lowest step ``budget`` steps down to: the first whose duty cycle is at least its ``min_duty``."""
+    return next(i for i, d in enumerate(DUTY_STEPS) if d >= budget.min_duty - 1e-9)
 
 
 def start_level() -> int:
@@ -166,7 +171,8 @@ def decide(
         proportional = [_level_for(steps, level, s) for s in stepping if s.proportional]
         # One step down, not below SIGNAL_FLOOR (a budget the WAL rate took below it stays where it is).
         down = max(level - 1, min(level, SIGNAL_FLOOR)) if len(proportional) < len(reasons) else level
-        level = max(0, min([down, *proportional]))
+        # Not below this policy's floor; one that another policy's took lower stays where it is.
+        level = max(min(level, floor_level(budget)), min([down, *proportional]))
         return Decision(level, steps[level], 0, False, "down", tuple(reasons), tuple(causes))
     loud = [s for s in signals if s.effect == STEP and not s.quiet]
     if (canary_ms is None or canary_ms < limits.lower_ms) and not loud:

@@ -126,7 +126,7 @@ def cleanup_slo(conn: Any, policy: RetentionPolicy, ledger: Ledger | None = None
     concurrency, floor_share, observations, reasons, paused = policy.max_duty_cycle, 0.0, 0, (), {}
     if last is not None:
         run_key, since, until = last
-        share = ledger.budget_share(conn, since, until, max_duty=policy.max_duty_cycle)
+        share = ledger.budget_share(conn, since, until, max_duty=policy.max_duty_cycle, min_duty=policy.budget.min_duty)
         if share.mean_share is not None:
             concurrency = share.mean_share
         observations = share.observations

@@ -116,6 +116,10 @@ def test_budget_settings_are_read_and_round_trip() -> None:
         ({"upper_latency": "5ms", "lower_latency": "5ms"}, "lower_latency must be below upper_latency"),
         ({"upper_latency": "fast", "lower_latency": "5ms"}, "upper_latency: cannot read 'fast'"),
         ({"on_unreadable": "ignore"}, "on_unreadable: must be 'open' or 'closed', got 'ignore'"),
+        ({"min_duty": 0.001}, "min_duty: must be a share of the time from 0.0025 to 0.1, got 0.001"),
+        ({"min_duty": 0.5}, "min_duty: must be a share of the time from 0.0025 to 0.1, got 0.5"),
+        ({"min_duty": "1%"}, "min_duty: must be a share of the time from 0.0025 to 0.1, got '1%'"),
+        ({"min_duty": True}, "min_duty: must be a share of the time from 0.0025 to 0.1, got True"),
     ],
 )
 def test_bad_budget_settings_name_the_field_and_the_setting(budget: Any, words: str) -> None:

@@ -550,9 +550,12 @@ def test_one_big_tenants_chunks_never_hold_more_batch_slots_than_its_ceiling(
         assert ledger[chunk.key].get("tenant_ceiling", 0.0) == pytest.approx(waited[chunk.key], abs=0.01)
 
 
+@pytest.mark.parametrize("spelling", ["as the policy", "unqualified"])
 def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_holds_no_slot(
-    db: Any, schema: str, budget_dsn: str
+    db: Any, schema: str, budget_dsn: str, spelling: str
 ) -> None:
+    """Another worker holds the tenant's only slot, its policy naming the table as this one does or
+    unqualified (found on its ``search_path``): one table, one ceiling, whatever the spelling."""
     table = create_events(db, schema)
     fill_events(db, table, 2000, tenant="1")
     policy = make_policy(
@@ -566,9 +569,11 @@ def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_h
     plan = make_plan(db, policy)
     force(db, policy, level_of(4))
     before = scalar(db, f"SELECT count(*) FROM {table}")
-    holder = TenantSlot(str(policy.table), "1", 0)
+    holder = TenantSlot(policy.table.sql if spelling == "as the policy" else '"events"', "1", 0)
     with closing(connect("psycopg2", budget_dsn)) as other:
         other.autocommit = True
+        with other.cursor() as cur:
+            cur.execute("SELECT set_config('search_path', %s, false)", (f'"{schema}"',))
         assert Ledger(policy.ledger_schema).try_slot(other, holder)  # another worker's batch of tenant 1
         with closing(connect("psycopg", budget_dsn)) as conn, pytest.raises(RetryableError) as caught:
             run_chunk(conn, policy, CUTOFF, plan.chunks[0])
