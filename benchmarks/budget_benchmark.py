@@ -61,6 +61,7 @@ import logging
 import math
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -723,6 +724,11 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="cases c and d once more with these policy fields changed, in the same run (repeatable)",
     )
+    parser.add_argument(
+        "--max-wal-size",
+        help="run with the server's max_wal_size at this (e.g. 4GB: ALTER SYSTEM and a reload, reset at the end;"
+        " needs a superuser): the first thing docs/concepts.md says to try when a purge is held at its floor",
+    )
     parser.add_argument("--dsn", help="PostgreSQL server (a database 'retention_budget_bench' is recreated on it)")
     parser.add_argument("--json", type=Path, default=BENCH / "results-budget.json")
     parser.add_argument("--markdown", type=Path, help="print a results JSON as a Markdown table, and exit")
@@ -746,6 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
     dsn = make_dsn(server, dbname=DB)
+    if args.max_wal_size:
+        if not re.fullmatch(r"[1-9][0-9]*(MB|GB)", args.max_wal_size):
+            raise SystemExit(f"--max-wal-size: expected a size such as 4GB or 2048MB, got {args.max_wal_size!r}")
+        admin_execute(server, f"ALTER SYSTEM SET max_wal_size = '{args.max_wal_size}'", "SELECT pg_reload_conf()")
+        print(f"max_wal_size {args.max_wal_size} for this run (reset at the end)", flush=True)
     results: list[Result] = []
     alone_by_fg: dict[str, Result] = {}
     step: dict[str, Any] | None = None
@@ -797,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  FAILED: the step load: {type(exc).__name__}: {exc}", flush=True)
     finally:
         admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)')
+        if args.max_wal_size:
+            admin_execute(server, "ALTER SYSTEM RESET max_wal_size", "SELECT pg_reload_conf()")
         print_table(rows, alone_by_fg, results)
         pb.write_json(
             args.json,
