@@ -23,6 +23,7 @@ from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.slo import at_floor_sql
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.budget import STALE_MIN_S, STALE_PERIODS
+from airflow_retention.core.running.controller import floor_level
 
 # The ledger version that brought the budget tables (core/ledger/schema.py).
 BUDGET_LEDGER_VERSION = 8
@@ -62,12 +63,12 @@ class BudgetView:
     observed_at: datetime | None
     age_s: float | None
     live: bool
-    min_duty: float = 0.01
+    floor_level: int  # the policy's floor (``min_duty``) on the ladder
 
     @property
     def at_floor(self) -> bool:
-        """Held at the policy's floor (one batch at a time, busy ``min_duty`` of the time or less) or paused."""
-        return self.paused or (self.concurrency == 1 and self.duty <= self.min_duty * 1.0001)
+        """Held at the policy's floor (one batch at a time, busy ``min_duty`` of the time) or below, or paused."""
+        return self.paused or self.level <= self.floor_level
 
     def describe(self) -> str:
         """``paused`` or ``2 batch(es) at once, busy 100%``."""
@@ -106,7 +107,7 @@ def budget_view(state: Mapping[str, Any] | None, policy: RetentionPolicy) -> Bud
         observed_at=state.get("observed_at"),
         age_s=age,
         live=age is not None and age <= fresh_s,
-        min_duty=settings.min_duty,
+        floor_level=floor_level(settings),
     )
 
 
@@ -169,10 +170,10 @@ def span_end(run: RunSummary, now: datetime) -> datetime:
 
 
 def run_pressures(
-    conn: Any, ledger: Ledger, runs: Sequence[RunSummary], now: datetime, *, min_duty: float = 0.01
+    conn: Any, ledger: Ledger, runs: Sequence[RunSummary], now: datetime, *, floor_level: int
 ) -> dict[str, RunPressure]:
     """The budget's observations during each run's span, summed up (one statement for every run); at the
-    floor: paused or at ``min_duty`` (the policy's) or below."""
+    floor: paused, or at ``floor_level`` (the policy's) or below."""
     if not runs:
         return {}
     rows = dbapi.fetch_all(
@@ -191,7 +192,7 @@ def run_pressures(
             "starts": [r.planned_at for r in runs],
             "ends": [span_end(r, now) for r in runs],
             "scope": SCOPE,
-            "min_duty": min_duty,
+            "floor_level": floor_level,
         },
     )
     out: dict[str, RunPressure] = {}
@@ -281,7 +282,7 @@ def load_budget(
         key: {reason: seconds for reason, seconds in by_reason.items() if seconds}
         for key, by_reason in ledger.paused_by_run(conn, [r.run_key for r in runs]).items()
     }
-    pressures = run_pressures(conn, ledger, runs, now, min_duty=policy.budget.min_duty)
+    pressures = run_pressures(conn, ledger, runs, now, floor_level=floor_level(policy.budget))
     out: dict[str, RunBudget] = {}
     for run in runs:
         held = held_since(conn, ledger, run.last_batch_at or run.planned_at) if run.running else None

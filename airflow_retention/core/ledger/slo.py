@@ -21,10 +21,9 @@ BUDGET_VERSION = 8
 
 
 def at_floor_sql(alias: str = "") -> str:
-    """An observation of the budget (``alias``: its table's, with the dot) at a policy's floor: paused, or
-    one batch at a time busy no more than ``%(min_duty)s``, the policy's ``min_duty``."""
-    a = alias
-    return f"({a}paused OR ({a}concurrency = 1 AND {a}duty <= %(min_duty)s::float8 * 1.0001))"
+    """An observation of the budget (``alias``: its table's, with the dot) at a policy's floor: paused, or at
+    a level no higher than ``%(floor_level)s``, the policy's (``controller.floor_level``)."""
+    return f"({alias}paused OR {alias}level <= %(floor_level)s::integer)"
 
 
 # Rows of a chunk: deleted, or matched in a dry run (the other is 0), as the planner's measured rate counts them.
@@ -129,15 +128,15 @@ class LedgerSlo(LedgerSchema):
         return out
 
     def budget_share(
-        self, conn: Any, since: datetime, until: datetime, *, max_duty: float = 1.0, min_duty: float = 0.0
+        self, conn: Any, since: datetime, until: datetime, *, floor_level: int, max_duty: float = 1.0
     ) -> BudgetShare:
         """The budget's observations from ``since`` to ``until``, with the one in force at ``since``: each
         holds until the next one (the last until ``until``), so the mean of ``concurrency x duty`` (the duty
         no higher than ``max_duty``, the policy's own) is weighted by how long each held. At the floor: paused,
-        or one batch at a time busy no more than ``min_duty`` (the policy's floor)."""
+        or at ``floor_level`` (the policy's) or below."""
         if not self._has_budget(conn):
             return BudgetShare(0, 0, None, ())
-        params = {"scope": SCOPE, "since": since, "until": until, "max_duty": max_duty, "min_duty": min_duty}
+        params = {"scope": SCOPE, "since": since, "until": until, "max_duty": max_duty, "floor_level": floor_level}
         at_floor = at_floor_sql()
         observed = f"SELECT at, level, concurrency, duty, paused, reasons FROM {self.s}.budget_observations"
         # The observation in force when the span began (the budget is observed before a run's first batch)
@@ -147,7 +146,7 @@ class LedgerSlo(LedgerSchema):
             " ORDER BY at DESC LIMIT 1)"
             f" UNION ALL {observed} WHERE scope = %(scope)s::text AND at > %(since)s::timestamptz"
             " AND at <= %(until)s::timestamptz),"
-            " o AS (SELECT level, concurrency, duty, paused, reasons,"
+            " o AS (SELECT level, paused, reasons,"
             " CASE WHEN paused THEN 0 ELSE concurrency * least(duty, %(max_duty)s::float8) END AS share,"
             " extract(epoch FROM coalesce(lead(at) OVER (ORDER BY at), %(until)s::timestamptz)"
             " - greatest(at, %(since)s::timestamptz)) AS held FROM b)"

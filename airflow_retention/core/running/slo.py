@@ -19,6 +19,7 @@ from typing import Any
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.policy.durations import format_window
 from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.controller import floor_level
 from airflow_retention.core.running.verify import CRON_PRESETS
 
 # The complete runs that λ and μ are learnt from, latest cutoff first.
@@ -126,7 +127,9 @@ def cleanup_slo(conn: Any, policy: RetentionPolicy, ledger: Ledger | None = None
     concurrency, floor_share, observations, reasons, paused = policy.max_duty_cycle, 0.0, 0, (), {}
     if last is not None:
         run_key, since, until = last
-        share = ledger.budget_share(conn, since, until, max_duty=policy.max_duty_cycle, min_duty=policy.budget.min_duty)
+        share = ledger.budget_share(
+            conn, since, until, floor_level=floor_level(policy.budget), max_duty=policy.max_duty_cycle
+        )
         if share.mean_share is not None:
             concurrency = share.mean_share
         observations = share.observations
