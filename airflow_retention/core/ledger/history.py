@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # The planner's measured rate: the latest chunks of a policy, and at least this much of their time.
 RATE_SAMPLE_CHUNKS = 64
 MIN_RATE_SECONDS = 1.0
+# A chunk's seconds paused or resting for the database budget, by reason (``paused`` came with ledger
+# version 8: read from the row as JSON, so that an older ledger reads as having paused nothing).
+_PAUSED_SECONDS = "coalesce((SELECT sum(p.value::float8) FROM jsonb_each_text(to_jsonb(c) -> 'paused') p), 0)"
 
 
 class LedgerHistory(LedgerSchema):
@@ -31,12 +34,18 @@ class LedgerHistory(LedgerSchema):
         """How fast the policy's chunks went in its previous runs: rows and blocks over seconds of its
         latest :data:`RATE_SAMPLE_CHUNKS` chunks completed in one attempt, of the same kind (block
         ranges or key ranges) and mode (dry run or not), from the first batch to completion, less
-        throttle pauses. None without such chunks, or with under a second of them (too few to tell)."""
+        throttle pauses and the database budget's pauses and rests. None without such chunks, or with
+        under a second of them (too few to tell).
+
+        The rate is the chunks' own, not the budget's: counted with the budget's rests, one night held at a
+        1 % duty cycle would measure a rate a hundred times lower, and the next plan would cut the same work
+        into up to ``max_map_length`` chunks of a few hundred rows each, every one paying a task's cost."""
         rows = dbapi.fetch_all(
             conn,
             "SELECT count(*), coalesce(sum(rows), 0), coalesce(sum(blocks), 0), coalesce(sum(seconds), 0)"
             " FROM (SELECT c.rows_deleted + c.rows_matched AS rows, c.hi - c.lo AS blocks,"
-            "   greatest(extract(epoch FROM c.completed_at - c.first_started_at) - c.backoff_seconds, 0) AS seconds"
+            "   greatest(extract(epoch FROM c.completed_at - c.first_started_at) - c.backoff_seconds"
+            f"    - {_PAUSED_SECONDS}, 0) AS seconds"
             f" FROM {self.s}.chunks c JOIN {self.s}.runs r USING (run_key)"
             " WHERE r.policy = %(p)s::text AND r.dry_run = %(d)s::boolean AND c.state = 'complete'"
             " AND c.action IS NULL AND c.attempts = 1 AND c.first_started_at IS NOT NULL"

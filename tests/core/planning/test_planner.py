@@ -484,6 +484,18 @@ def test_chunk_count_follows_the_rate_measured_in_earlier_runs(schema: str, conn
     # A dry run is measured on dry runs only: none yet.
     dry = compute_plan(conn, make_policy(schema, chunk_rows=None, dry_run=True), CUTOFF)
     assert dry.sizing is not None and dry.sizing.measured_chunks == 0
+    # The database budget's pauses and rests are not the chunk's work: 60 of its 100 s held at the floor
+    # measure the rate of the other 40 (not a rate 2.5 times too low, and 2.5 times the chunks).
+    rows(
+        admin,
+        f'UPDATE "{schema}_ledger".chunks SET paused = \'{{"wal_rate": 45.5, "slots": 14.5}}\'::jsonb'
+        " WHERE run_key = %(k)s",
+        {"k": first.run_key},
+    )
+    held = compute_plan(conn, make_policy(schema, chunk_rows=None, target_chunk_time="10s"), CUTOFF)
+    assert held.sizing is not None and held.sizing.measured_chunks == 1
+    assert held.sizing.rows_per_s == pytest.approx(deleted / 40, rel=1e-3)
+    assert len(held.chunks) == held.sizing.chunks < len(preview.chunks)
 
 
 def test_block_plan_reads_its_history_of_block_chunks(schema: str, conn: Any, admin: Any) -> None:
