@@ -54,6 +54,21 @@ def admin(dsn: str) -> Any:
     return conn
 
 
+def fresh_database(server_dsn: str, database: str, rows: int, extra: tuple[str, ...] = ()) -> str:
+    """``database`` created afresh with pgbench's tables and the ``burst`` table of ``rows`` rows (then the
+    ``extra`` statements); its DSN."""
+    with closing(admin(server_dsn)) as a, a.cursor() as cur:
+        cur.execute(f"DROP DATABASE IF EXISTS {database}")
+        cur.execute(f"CREATE DATABASE {database}")
+    dsn = make_dsn(server_dsn, dbname=database)
+    pgbench_init(dsn, 10)
+    print(f"building a table of {rows:,} rows ...", flush=True)
+    with closing(admin(dsn)) as a, a.cursor() as cur:
+        for statement in (*TABLE_SQL, *extra):
+            cur.execute(statement, {"rows": rows})
+    return dsn
+
+
 def wal_position(cur: Any) -> int:
     cur.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint")
     return int(cur.fetchone()[0])
@@ -122,15 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     needed = sum(args.rates) * args.seconds * len(args.batches)
     if needed > args.rows:
         parser.error(f"--rows {args.rows:,} is fewer than the {needed:,.0f} rows the combinations delete")
-    with closing(admin(args.dsn)) as a, a.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS {DATABASE}")
-        cur.execute(f"CREATE DATABASE {DATABASE}")
-    dsn = make_dsn(args.dsn, dbname=DATABASE)
-    pgbench_init(dsn, 10)
-    print(f"building a table of {args.rows:,} rows ...", flush=True)
-    with closing(admin(dsn)) as a, a.cursor() as cur:
-        for statement in TABLE_SQL:
-            cur.execute(statement, {"rows": args.rows})
+    dsn = fresh_database(args.dsn, DATABASE, args.rows)
     # Sizes interleaved (smallest, largest, next smallest, ...), each at every rate: a slow drift of the
     # machine does not line up with the size.
     sizes = sorted(args.batches)

@@ -40,14 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg2
-from psycopg2.extensions import make_dsn
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH.parent))
 
-from budget_benchmark import PgBench, percentiles, pgbench_init  # noqa: E402
-from burst_benchmark import TABLE_SQL, admin  # noqa: E402
+from budget_benchmark import PgBench, percentiles  # noqa: E402
+from burst_benchmark import admin, fresh_database  # noqa: E402
 from purge_benchmark import write_json  # noqa: E402
 
 DATABASE = "retention_overlap_bench"
@@ -166,15 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.duty < 1:
         parser.error(f"--duty: a share of the time between 0 and 1, got {args.duty}")
-    with closing(admin(args.dsn)) as a, a.cursor() as cur:
-        cur.execute(f"DROP DATABASE IF EXISTS {DATABASE}")
-        cur.execute(f"CREATE DATABASE {DATABASE}")
-    dsn = make_dsn(args.dsn, dbname=DATABASE)
-    pgbench_init(dsn, 10)
-    print(f"building a table of {args.rows:,} rows ...", flush=True)
+    dsn = fresh_database(args.dsn, DATABASE, args.rows, LEDGER_SQL)
     with closing(admin(dsn)) as a, a.cursor() as cur:
-        for statement in (*TABLE_SQL, *LEDGER_SQL):
-            cur.execute(statement, {"rows": args.rows})
         cur.execute("SELECT pg_relation_size('burst') / current_setting('block_size')::bigint")
         blocks = int(cur.fetchone()[0])
     bursts = Bursts(dsn, args.blocks)
