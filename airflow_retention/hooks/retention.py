@@ -23,6 +23,7 @@ from airflow_retention.core.running.verify import (
     vacuum_table,
     verify_run,
 )
+from airflow_retention.hooks.metadata_server import ignoring_metadata
 
 
 class RetentionHook(PostgresHook):
@@ -41,6 +42,13 @@ class RetentionHook(PostgresHook):
         super().__init__(**kwargs)
         self.policy = policy
         self.ledger = Ledger(policy.ledger_schema)
+
+    def _target(self) -> Any:
+        """The target's Airflow connection, as ``get_conn`` reads it (``connection`` came with newer
+        ``common.sql`` providers)."""
+        if hasattr(type(self), "connection"):
+            return self.connection
+        return self.get_connection(self.get_conn_id())
 
     @contextmanager
     def open_connection(self) -> Iterator[Any]:
@@ -78,10 +86,12 @@ class RetentionHook(PostgresHook):
     ) -> ChunkResult:
         """Purge one chunk; ``policy`` overrides the hook's for this chunk (a lone key range of a policy
         that chunks by blocks runs it with ``chunk_by: key``)."""
+        target = self._target()
+        policy = ignoring_metadata(policy or self.policy, target.host, target.port)
         with self.open_connection() as conn:
             return run_chunk(
                 conn,
-                policy or self.policy,
+                policy,
                 cutoff,
                 chunk,
                 attempt=attempt,

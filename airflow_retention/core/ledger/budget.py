@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,20 +160,21 @@ class LedgerBudget(LedgerSchema):
         )
         return int(rows[0][0]), int(rows[0][1])
 
-    def foreground_sessions(self, conn: Any, within_s: float) -> int:
+    def foreground_sessions(self, conn: Any, within_s: float, ignore_databases: Sequence[str] = ()) -> int:
         """Client sessions of the server, other than this one and the purges' (holding :data:`PURGE_MARK`,
-        or holding or queued for a batch or tenant slot), that ran a statement in the last ``within_s``
-        seconds: someone for the budget to yield to. A session whose state this role may not see counts
-        (it may be busy)."""
+        or holding or queued for a batch or tenant slot) and those in ``ignore_databases``, that ran a
+        statement in the last ``within_s`` seconds: someone for the budget to yield to. A session whose
+        state this role may not see counts (it may be busy)."""
         rows = dbapi.fetch_all(
             conn,
             "SELECT count(*) FROM pg_catalog.pg_stat_activity a"
             " WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid()"
+            " AND coalesce(a.datname, '') <> ALL (%(ignore)s::text[])"
             " AND (a.state IS NULL OR a.state <> 'idle'"
             " OR a.state_change > clock_timestamp() - make_interval(secs => %(s)s::float8))"
             " AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory'"
             " AND l.classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid) AND l.objsubid = 2)",
-            {"s": within_s, "k": SLOT_CLASS, "t": TENANT_CLASS},
+            {"s": within_s, "k": SLOT_CLASS, "t": TENANT_CLASS, "ignore": list(ignore_databases)},
         )
         return int(rows[0][0])
 

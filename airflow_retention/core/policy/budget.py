@@ -29,6 +29,7 @@ BUDGET_KEYS = {
     "max_wal_rate": "max_wal_rate",
     "min_duty": "min_duty",
     "on_unreadable": "on_unreadable",
+    "ignore_databases": "ignore_databases",
 }
 ON_UNREADABLE = ("open", "closed")
 # The range of ``min_duty``: the ladder's lowest duty cycle, and the lowest step the canary steps down to.
@@ -73,6 +74,10 @@ class Budget:
         to 0.1. Only the WAL rate takes the budget below 10 %; this is how far.
     :param on_unreadable: ``"open"``: a signal this role cannot read is reported and ignored; ``"closed"``:
         it counts as above its upper threshold.
+    :param ignore_databases: databases of the server whose sessions are not an application to yield to
+        (Airflow's metadata database on the target's server, whose scheduler is always at work): they
+        neither start the budget slow nor make the WAL rate count. The canary still measures whatever
+        they cost.
     """
 
     enabled: bool = True
@@ -92,6 +97,7 @@ class Budget:
     max_wal_rate: float | str | None = "auto"
     min_duty: float = 0.01
     on_unreadable: str = "open"
+    ignore_databases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name, value in _validated(self).items():
@@ -119,7 +125,9 @@ class Budget:
         return min(int(self.max_workers_per_tenant), self.max_workers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, attr) for k, attr in BUDGET_KEYS.items()}
+        out = {k: getattr(self, attr) for k, attr in BUDGET_KEYS.items()}
+        out["ignore_databases"] = list(self.ignore_databases)  # YAML and JSON have lists, not tuples
+        return out
 
 
 def _validated(b: Budget) -> dict[str, Any]:
@@ -174,6 +182,14 @@ def _validated(b: Budget) -> dict[str, Any]:
         raise ValueError(f"max_workers_per_tenant: must be 'auto' or an integer from 1 to 64, got {per_tenant!r}")
     if b.on_unreadable not in ON_UNREADABLE:
         raise ValueError(f"on_unreadable: must be 'open' or 'closed', got {b.on_unreadable!r}")
+    names = b.ignore_databases
+    if (
+        isinstance(names, str)
+        or not isinstance(names, (list, tuple))
+        or not all(isinstance(n, str) and n.strip() for n in names)
+    ):
+        raise ValueError(f"ignore_databases: must be a list of database names, got {names!r}")
+    out["ignore_databases"] = tuple(dict.fromkeys(names))
     return out
 
 

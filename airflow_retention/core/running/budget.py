@@ -255,7 +255,7 @@ class SharedBudget:
     def _observe(self, conn: Any, state: BudgetState) -> BudgetState:
         stale = state.age_s is None or state.age_s > max(STALE_MIN_S, STALE_PERIODS * self.period_s)
         busy, queued = self.ledger.slots(conn)
-        foreground = self.ledger.foreground_sessions(conn, self.period_s)
+        foreground = self.ledger.foreground_sessions(conn, self.period_s, self.settings.ignore_databases)
         level, quiet, baseline, new_baseline = state.level, state.quiet, state.baseline_ms, False
         fresh = stale or baseline is None
         if fresh:

@@ -64,9 +64,11 @@ def test_budget_settings_are_read_and_round_trip() -> None:
             "max_archive_backlog": 10,
             "yield_to_autovacuum": True,
             "on_unreadable": "closed",
+            "ignore_databases": ["airflow", "airflow"],
         }
     )
     b = policy.budget
+    assert b.ignore_databases == ("airflow",) and Budget().ignore_databases == ()
     assert (b.period_ms, b.quiet_periods, b.upper, b.lower, b.max_workers) == (500, 5, 3.0, 1.5, 2)
     assert (b.connection_reserve, b.max_lock_waiters, b.max_replica_lag_ms, b.max_archive_backlog) == (
         20,
@@ -120,6 +122,9 @@ def test_budget_settings_are_read_and_round_trip() -> None:
         ({"min_duty": 0.5}, "min_duty: must be a share of the time from 0.0025 to 0.1, got 0.5"),
         ({"min_duty": "1%"}, "min_duty: must be a share of the time from 0.0025 to 0.1, got '1%'"),
         ({"min_duty": True}, "min_duty: must be a share of the time from 0.0025 to 0.1, got True"),
+        ({"ignore_databases": "airflow"}, "ignore_databases: must be a list of database names, got 'airflow'"),
+        ({"ignore_databases": ["airflow", ""]}, "ignore_databases: must be a list of database names"),
+        ({"ignore_databases": [3]}, "ignore_databases: must be a list of database names, got [3]"),
     ],
 )
 def test_bad_budget_settings_name_the_field_and_the_setting(budget: Any, words: str) -> None:

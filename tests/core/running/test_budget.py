@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg2.extensions import parse_dsn
 
 from airflow_retention.core.errors import RetryableError
 from airflow_retention.core.ledger.budget import SLOT_CLASS, TENANT_CLASS, TenantSlot
@@ -636,6 +637,25 @@ def test_a_budget_starting_beside_another_session_starts_slow_and_says_why(
     batch_s = sum(b.ms for b in result.batch_log[:-1]) / 1000
     assert result.duty_seconds == pytest.approx(batch_s * 9, rel=0.05)  # busy 10 %: rests nine times a batch
     assert eligible_ids(db, table) == []
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_sessions_in_ignored_databases_are_no_foreground(db: Any, budget_dsn: str, driver: str) -> None:
+    """``ignore_databases`` (Airflow's metadata database on the target's server): a session at work there
+    is not counted as an application to yield to; the other databases' sessions still are."""
+    ledger = Ledger("never_created_ledger")  # the count reads pg_stat_activity only
+
+    def databases(*leaving_out: str) -> list[str]:
+        return [r[0] for r in rows(db, "SELECT datname FROM pg_database") if r[0] not in leaving_out]
+
+    with throwaway_database("retention_metadata") as metadata_dsn, Foreground(metadata_dsn):
+        metadata = parse_dsn(metadata_dsn)["dbname"]
+        with closing(connect(driver, budget_dsn)) as conn:
+            # Every database ignored but the metadata one: its scheduler-like session is the one counted.
+            assert ledger.foreground_sessions(conn, 5.0, databases(metadata)) >= 1
+            # Every database ignored, the metadata one too: nobody is at work.
+            assert ledger.foreground_sessions(conn, 5.0, databases()) == 0
+            assert ledger.foreground_sessions(conn, 5.0) >= 1  # nothing ignored: the default
 
 
 @pytest.mark.parametrize(
