@@ -56,14 +56,18 @@ def metadata_database_on(host: str | None, port: int | str | None, url: str | No
     return parsed.database if same else None
 
 
-def ignoring_metadata(policy: RetentionPolicy, host: str | None, port: int | str | None) -> RetentionPolicy:
+def ignoring_metadata(
+    policy: RetentionPolicy, host: str | None, port: int | str | None, database: str | None = None
+) -> RetentionPolicy:
     """``policy`` with Airflow's metadata database in ``budget.ignore_databases`` when it is on the
-    target's server (``host``, ``port``) and the budget is on; else ``policy`` itself."""
+    target's server (``host``, ``port``) and the budget is on; else ``policy`` itself. Not when it is the
+    target's own ``database``: a purge of Airflow's metadata (``db clean``'s tables) yields to the
+    scheduler working in it."""
     budget = policy.budget
     if not budget.enabled:
         return policy
     name = metadata_database_on(host, port)
-    if name is None or name in budget.ignore_databases:
+    if name is None or name in budget.ignore_databases or name == database:
         return policy
     log.info(
         "Airflow's metadata database %s is on the target's server: the database budget does not count its"

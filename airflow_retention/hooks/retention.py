@@ -87,7 +87,9 @@ class RetentionHook(PostgresHook):
         """Purge one chunk; ``policy`` overrides the hook's for this chunk (a lone key range of a policy
         that chunks by blocks runs it with ``chunk_by: key``)."""
         target = self._target()
-        policy = ignoring_metadata(policy or self.policy, target.host, target.port)
+        # An Airflow Postgres connection's schema is its database (the hook's ``database`` overrides it).
+        database = getattr(self, "database", None) or target.schema
+        policy = ignoring_metadata(policy or self.policy, target.host, target.port, database)
         with self.open_connection() as conn:
             return run_chunk(
                 conn,

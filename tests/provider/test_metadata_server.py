@@ -76,6 +76,10 @@ def test_a_chunk_ignores_the_metadata_databases_sessions_when_it_is_beside_the_t
     assert beside.budget.max_wal_rate == policy.budget.max_wal_rate and beside.name == policy.name
     assert ignoring_metadata(policy, "db.internal", 5432) is policy  # elsewhere: nothing to ignore
     assert ignoring_metadata(beside, "localhost", 5432) is beside  # named already
+    # The target is the metadata database itself (a purge of Airflow's history): its scheduler is the
+    # application to yield to.
+    assert ignoring_metadata(policy, "localhost", 5432, "airflow_meta") is policy
+    assert ignoring_metadata(policy, "localhost", 5432, "app").budget.ignore_databases == ("reports", "airflow_meta")
     off = _policy(enabled=False)
     assert ignoring_metadata(off, "localhost", 5432) is off  # no budget, no foreground to count
 
