@@ -870,7 +870,7 @@ class _Hold:
 
     def release(self) -> None:
         q(self.run.admin, f"DELETE FROM {self.s}.hold")
-        if self.how == "fk":
+        if self.how == "fk" and self.tenant is not None:  # the referencing table exists only with a tenant held
             q(self.run.admin, f"DELETE FROM {self.s}.orders")
 
     def settle(self, conn: Any, policy: RetentionPolicy, plan: Any, failed: list[ChunkSpec], on_batch_of: Any) -> None:
