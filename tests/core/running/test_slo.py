@@ -83,7 +83,7 @@ def test_runs_purged_by_the_engine_give_mu_c_lambda_and_the_pauses(admin: Any, s
         else sum(shares) / len(shares)
     )
     assert slo.concurrency == pytest.approx(expected_c, rel=1e-6)
-    assert slo.concurrency <= policy.max_duty_cycle
+    assert slo.concurrency <= policy.max_duty_cycle + 1e-12  # a weighted mean of shares at the cap
     assert slo.capacity_rows == pytest.approx(slo.concurrency * slo.mu_rows_per_s * 86_400)
     assert slo.needed_rows == pytest.approx(eligible)
     assert slo.keeps_up is True and slo.warnings == []
