@@ -43,13 +43,6 @@ class RetentionHook(PostgresHook):
         self.policy = policy
         self.ledger = Ledger(policy.ledger_schema)
 
-    def _target(self) -> Any:
-        """The target's Airflow connection, as ``get_conn`` reads it (``connection`` came with newer
-        ``common.sql`` providers)."""
-        if hasattr(type(self), "connection"):
-            return self.connection
-        return self.get_connection(self.get_conn_id())
-
     @contextmanager
     def open_connection(self) -> Iterator[Any]:
         conn = self.get_conn()
@@ -86,9 +79,9 @@ class RetentionHook(PostgresHook):
     ) -> ChunkResult:
         """Purge one chunk; ``policy`` overrides the hook's for this chunk (a lone key range of a policy
         that chunks by blocks runs it with ``chunk_by: key``)."""
-        target = self._target()
+        target = self.connection  # as get_conn reads it
         # An Airflow Postgres connection's schema is its database (the hook's ``database`` overrides it).
-        database = getattr(self, "database", None) or target.schema
+        database = self.database or target.schema
         policy = ignoring_metadata(policy or self.policy, target.host, target.port, database)
         with self.open_connection() as conn:
             return run_chunk(

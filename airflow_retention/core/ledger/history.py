@@ -22,9 +22,16 @@ log = logging.getLogger(__name__)
 # The planner's measured rate: the latest chunks of a policy, and at least this much of their time.
 RATE_SAMPLE_CHUNKS = 64
 MIN_RATE_SECONDS = 1.0
-# A chunk's seconds paused or resting for the database budget, by reason (``paused`` came with ledger
-# version 8: read from the row as JSON, so that an older ledger reads as having paused nothing).
-_PAUSED_SECONDS = "coalesce((SELECT sum(p.value::float8) FROM jsonb_each_text(to_jsonb(c) -> 'paused') p), 0)"
+# Rows of a chunk ``c``: deleted, or matched in a dry run (the other is 0).
+CHUNK_ROWS = "(c.rows_deleted + c.rows_matched)"
+# The seconds a chunk ``c`` worked: its first batch to its last, less its throttle's backoffs and the
+# database budget's pauses and rests (``paused``, by reason; it came with ledger version 8: read from the row
+# as JSON, so that an older ledger reads as having paused nothing).
+WORKED_SECONDS = (
+    "greatest(extract(epoch FROM coalesce(c.completed_at, c.last_batch_at) - c.first_started_at)"
+    " - c.backoff_seconds"
+    " - coalesce((SELECT sum(p.value::float8) FROM jsonb_each_text(to_jsonb(c) -> 'paused') p), 0), 0)"
+)
 
 
 class LedgerHistory(LedgerSchema):
@@ -43,9 +50,7 @@ class LedgerHistory(LedgerSchema):
         rows = dbapi.fetch_all(
             conn,
             "SELECT count(*), coalesce(sum(rows), 0), coalesce(sum(blocks), 0), coalesce(sum(seconds), 0)"
-            " FROM (SELECT c.rows_deleted + c.rows_matched AS rows, c.hi - c.lo AS blocks,"
-            "   greatest(extract(epoch FROM c.completed_at - c.first_started_at) - c.backoff_seconds"
-            f"    - {_PAUSED_SECONDS}, 0) AS seconds"
+            f" FROM (SELECT {CHUNK_ROWS} AS rows, c.hi - c.lo AS blocks, {WORKED_SECONDS} AS seconds"
             f" FROM {self.s}.chunks c JOIN {self.s}.runs r USING (run_key)"
             " WHERE r.policy = %(p)s::text AND r.dry_run = %(d)s::boolean AND c.state = 'complete'"
             " AND c.action IS NULL AND c.attempts = 1 AND c.first_started_at IS NOT NULL"

@@ -14,6 +14,7 @@ from typing import Any
 
 from airflow_retention.core.db import dbapi
 from airflow_retention.core.ledger.budget import SCOPE
+from airflow_retention.core.ledger.history import CHUNK_ROWS, WORKED_SECONDS
 from airflow_retention.core.ledger.schema import LedgerSchema
 
 # The version that added the budget's tables and ``chunks.paused``.
@@ -24,17 +25,6 @@ def at_floor_sql(alias: str = "") -> str:
     """An observation of the budget (``alias``: its table's, with the dot) at a policy's floor: paused, or at
     a level no higher than ``%(floor_level)s``, the policy's (``controller.floor_level``)."""
     return f"({alias}paused OR {alias}level <= %(floor_level)s::integer)"
-
-
-# Rows of a chunk: deleted, or matched in a dry run (the other is 0), as the planner's measured rate counts them.
-_CHUNK_ROWS = "(c.rows_deleted + c.rows_matched)"
-# The time a chunk worked: its first batch to its last, less its throttle's and its budget's pauses (the
-# budget's include the rests of the duty cycle).
-_PAUSED_TOTAL = "(SELECT coalesce(sum(d.value::float8), 0) FROM jsonb_each_text(c.paused) d)"
-_WORKED = (
-    "greatest(extract(epoch FROM coalesce(c.completed_at, c.last_batch_at) - c.first_started_at)"
-    " - c.backoff_seconds - {paused}, 0)"
-)
 
 
 @dataclass(frozen=True)
@@ -81,10 +71,10 @@ class LedgerSlo(LedgerSchema):
         chunk's span holds the retry's delay; a partition chunk's rows are not a batch's)."""
         if not run_keys:
             return 0, 0.0
-        paused = _PAUSED_TOTAL if self._has_budget(conn) else "0"
+        # Rows and seconds as the planner's measured rate counts them.
         rows = dbapi.fetch_all(
             conn,
-            f"SELECT coalesce(sum({_CHUNK_ROWS}), 0), coalesce(sum({_WORKED.format(paused=paused)}), 0)"
+            f"SELECT coalesce(sum({CHUNK_ROWS}), 0), coalesce(sum({WORKED_SECONDS}), 0)"
             f" FROM {self.s}.chunks c WHERE c.run_key = ANY (%(keys)s::text[]) AND c.state = 'complete'"
             " AND c.action IS NULL AND c.attempts = 1 AND c.first_started_at IS NOT NULL",
             {"keys": list(run_keys)},
