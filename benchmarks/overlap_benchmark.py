@@ -1,8 +1,9 @@
 """What a batch costs the application's transactions that meet it: its CPU or its WAL. In one run, pgbench
 beside bursts of three kinds at the same duty cycle, each about as long as a purge's batch.
 
-    python benchmarks/overlap_benchmark.py [--rows 4000000] [--blocks 128] [--duty 0.01] [--seconds 60]
-                                           [--none-seconds 40] [--dsn DSN] [--json out.json]
+    python benchmarks/overlap_benchmark.py [--rows 4000000] [--blocks 128] [--duty 0.01 [0.0025 ...]]
+                                           [--kinds delete cpu wal budget] [--budget-workers N]
+                                           [--seconds 60] [--none-seconds 40] [--dsn DSN] [--json out.json]
 
 In a database of its own (``retention_overlap_bench``): pgbench's TPC-B tables (``pgbench -i -s 10``) and a
 table of ``--rows`` rows of about 230 bytes (the budget benchmark's width). pgbench runs at 300 tps (4
@@ -15,13 +16,19 @@ budget's floor does:
 - ``cpu``: CPU only, ``count(*)`` over ``generate_series``, sized at the start to last as long as a
   ``delete`` burst;
 - ``wal``: WAL only, a 1 MB ``pg_logical_emit_message`` in a transaction (about a purge batch's WAL at the
-  floor, ``BURST_WAL_BYTES``).
+  floor, ``BURST_WAL_BYTES``);
+- ``budget`` (with ``--budget-workers N``): the database budget's own work with no batch at all: N
+  threads, each a worker at the floor with empty batches (the real ``SharedBudget``: take a batch slot,
+  rest as at ``--duty`` with a batch of the ``delete`` burst's length, give the slot back), so the
+  observer's canaries, signals and observations and the workers' slot traffic, and nothing else. Its
+  "bursts" are the observations.
 
 Phases of ``--seconds`` each, every kind twice in a mirrored order (delete, cpu, wal, then wal, cpu,
 delete), with phases of nothing (``none``, ``--none-seconds``) first, between and last: their pooled p99 is
-the reference, and a transaction over 1.5 times it is slow. For each phase the table shows the share of
-pgbench's transactions that met a burst, how many of those were slow, and their mean latency above the
-reference's median, beside the slow share of the transactions that met none. A phase in which the machine
+the reference, and a transaction over 1.5 times it is slow. With several ``--duty`` values every kind runs
+at each (a phase is named ``delete@0.25%``). For each phase the table shows the share of pgbench's
+transactions that met a burst, how many of those were slow, and their mean latency above the reference's
+median, beside the slow share of the transactions that met none. A phase in which the machine
 stalled (its p99 far above every other's) says so by itself.
 """
 
@@ -32,6 +39,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable
@@ -111,6 +119,67 @@ class Bursts:
         return spans
 
 
+class Bookkeeping:
+    """``workers`` threads doing what the budget does around a floor's batches, with no batch."""
+
+    def __init__(self, dsn: str, workers: int) -> None:
+        from airflow_retention.core.ledger.ledger import Ledger
+        from airflow_retention.core.policy.model import RetentionPolicy
+
+        self.dsn, self.workers = dsn, workers
+        self.policy = RetentionPolicy.from_dict(
+            {
+                "name": "overlap",
+                "conn_id": "overlap",
+                "table": "public.burst",
+                "key_column": "id",
+                "timestamp_column": "created_at",
+                "retention": "1 day",
+                "ledger_schema": "overlap_ledger",
+            }
+        )
+        self.ledger = Ledger(self.policy.ledger_schema)
+        with closing(admin(dsn)) as conn:
+            self.ledger.ensure(conn)
+
+    def run(self, seconds: float, duty: float, batch_ms: float) -> list[tuple[float, float]]:
+        """The workers for ``seconds``: the (start, end) of every observation, in epoch seconds."""
+        from airflow_retention.core.running.budget import SharedBudget
+
+        spans: list[tuple[float, float]] = []
+        until = time.time() + seconds
+        rest = batch_ms / 1000 * (1 / duty - 1)
+
+        def worker(n: int) -> None:
+            conn = psycopg2.connect(self.dsn, application_name="overlap-budget")
+            conn.autocommit = True
+            budget = SharedBudget(self.policy, self.ledger, f"worker {n}", f"overlap {n}")
+            observe = budget._observe
+
+            def timed_observe(*a: Any) -> Any:
+                began = time.time()
+                try:
+                    return observe(*a)
+                finally:
+                    spans.append((began, time.time()))
+
+            budget._observe = timed_observe  # type: ignore[method-assign]
+            with closing(conn):
+                self.ledger.mark(conn, True)
+                while time.time() < until:
+                    budget.admit(conn)
+                    time.sleep(rest)
+                    budget.release(conn)
+                    budget.take()
+
+        threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in range(self.workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sorted(spans)
+
+
 def _timed(burst: Callable[[], None]) -> float:
     began = time.perf_counter()
     burst()
@@ -157,14 +226,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=4_000_000)
     parser.add_argument("--blocks", type=int, default=128, help="blocks of each delete burst")
-    parser.add_argument("--duty", type=float, default=0.01, help="share of the time in bursts")
+    parser.add_argument("--duty", type=float, nargs="+", default=[0.01], help="share(s) of the time in bursts")
     parser.add_argument("--seconds", type=float, default=60, help="seconds of each burst phase")
     parser.add_argument("--none-seconds", type=float, default=40, help="seconds of each phase of nothing")
+    parser.add_argument(
+        "--budget-workers", type=int, default=0, help="add budget phases: this many workers' budget, no batches"
+    )
+    parser.add_argument("--kinds", nargs="+", choices=(*KINDS, "budget"), help="burst kinds (default: all)")
     parser.add_argument("--dsn", default="host=127.0.0.1 user=postgres dbname=postgres")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if not 0 < args.duty < 1:
-        parser.error(f"--duty: a share of the time between 0 and 1, got {args.duty}")
+    for duty in args.duty:
+        if not 0 < duty < 1:
+            parser.error(f"--duty: a share of the time between 0 and 1, got {duty}")
     dsn = fresh_database(args.dsn, DATABASE, args.rows, LEDGER_SQL)
     with closing(admin(dsn)) as a, a.cursor() as cur:
         cur.execute("SELECT pg_relation_size('burst') / current_setting('block_size')::bigint")
@@ -172,24 +246,39 @@ def main(argv: list[str] | None = None) -> int:
     bursts = Bursts(dsn, args.blocks)
     delete_ms = bursts.calibrate()
     print(f"a delete burst of {args.blocks} blocks: {delete_ms:.1f} ms; CPU burst: generate_series({bursts.series:,})")
-    phases = [("none", args.none_seconds)]
-    for kind in (*KINDS, "none", *reversed(KINDS), "none"):
-        phases.append((kind, args.none_seconds if kind == "none" else args.seconds))
-    needed = args.blocks * 2 * args.seconds * args.duty * 1000 / max(delete_ms, 0.1)
+    kinds = tuple(args.kinds or (*KINDS, *(("budget",) if args.budget_workers else ())))
+    if "budget" in kinds and args.budget_workers < 1:
+        parser.error("--kinds budget: needs --budget-workers N")
+    books = Bookkeeping(dsn, args.budget_workers) if "budget" in kinds else None
+    # (kind, duty): every kind at every duty, mirrored.
+    bursting = [(kind, duty) for duty in args.duty for kind in kinds]
+    phases: list[tuple[str, float, float]] = [("none", 0.0, args.none_seconds)]
+    for kind, duty in (*bursting, ("none", 0.0), *reversed(bursting), ("none", 0.0)):
+        phases.append((kind, duty, args.none_seconds if kind == "none" else args.seconds))
+    # Blocks the delete phases take (none without them).
+    needed = ("delete" in kinds) * args.blocks * 2 * args.seconds * sum(args.duty) * 1000 / max(delete_ms, 0.1)
     if bursts.block + needed > blocks:
         parser.error(f"--rows {args.rows:,}: {blocks:,} blocks, about {needed:,.0f} more needed at this duty")
     marks: list[tuple[str, float, float, list[tuple[float, float]]]] = []
+
+    def named(kind: str, duty: float) -> str:
+        return kind if kind == "none" or len(args.duty) == 1 else f"{kind}@{duty:.2%}"
+
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="overlap-bench-") as tmp:
         with PgBench(dsn, 300, Path(tmp)) as bench:
             time.sleep(2.5)  # pgbench's connections, left out of its latencies
-            for kind, seconds in phases:
+            for kind, duty, seconds in phases:
                 began = time.time()
-                spans = [] if kind == "none" else bursts.run(kind, seconds, args.duty)
+                if kind == "budget":
+                    assert books is not None
+                    spans = books.run(seconds, duty, delete_ms)
+                else:
+                    spans = [] if kind == "none" else bursts.run(kind, seconds, duty)
                 if kind == "none":
                     time.sleep(seconds)
-                marks.append((kind, began, time.time(), spans))
-                print(f"  {kind}: {len(spans)} bursts", flush=True)
+                marks.append((named(kind, duty), began, time.time(), spans))
+                print(f"  {named(kind, duty)}: {len(spans)} bursts", flush=True)
             time.sleep(0.5)
         log = bench.log()
     bursts.conn.close()
@@ -201,10 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     results = [{"phase": kind, **phase_stats(within(lo, hi), spans, reference)} for kind, lo, hi, spans in marks]
     print(
         f"\npgbench with no bursts (pooled): p50 {reference[0]:.2f} ms, p99 {reference[1]:.2f} ms;"
-        f" slow: over {SLOW * reference[1]:.2f} ms. Bursts at {args.duty:g} of the time; load {load:.1f}"
+        f" slow: over {SLOW * reference[1]:.2f} ms. Bursts at {', '.join(f'{d:g}' for d in args.duty)} of the time;"
+        f" load {load:.1f}"
     )
     print(
-        f"{'phase':<7} {'burst ms':>8} {'p99':>7} {'/ref':>5} {'slow':>6} {'met':>6} {'met slow':>8} {'met +ms':>7}"
+        f"{'phase':<14} {'burst ms':>8} {'p99':>7} {'/ref':>5} {'slow':>6} {'met':>6} {'met slow':>8} {'met +ms':>7}"
         f" {'others slow':>11}"
     )
     for r in results:
@@ -215,13 +305,14 @@ def main(argv: list[str] | None = None) -> int:
             if "bursts" in r
             else f"{'':>8} {r['fg_p99_ms']:>7} {r['p99_vs_reference']:>5} {r['slow_share']:>6.2%}"
         )
-        print(f"{r['phase']:<7} {met}")
+        print(f"{r['phase']:<14} {met}")
     if args.json:
         write_json(
             args.json,
             {
                 "rows": args.rows,
                 "blocks": args.blocks,
+                "budget_workers": args.budget_workers,
                 "duty": args.duty,
                 "delete_ms": round(delete_ms, 2),
                 "cpu_series": bursts.series,
