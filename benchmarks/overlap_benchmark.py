@@ -57,6 +57,10 @@ from budget_benchmark import PgBench, percentiles  # noqa: E402
 from burst_benchmark import admin, fresh_database  # noqa: E402
 from purge_benchmark import write_json  # noqa: E402
 
+from airflow_retention.core.ledger.ledger import Ledger  # noqa: E402
+from airflow_retention.core.policy.model import RetentionPolicy  # noqa: E402
+from airflow_retention.core.running.budget import SharedBudget, purge_session  # noqa: E402
+
 DATABASE = "retention_overlap_bench"
 KINDS = ("delete", "cpu", "wal")
 SLOW = 1.5  # times the reference's p99
@@ -123,9 +127,6 @@ class Bookkeeping:
     """``workers`` threads doing what the budget does around a floor's batches, with no batch."""
 
     def __init__(self, dsn: str, workers: int) -> None:
-        from airflow_retention.core.ledger.ledger import Ledger
-        from airflow_retention.core.policy.model import RetentionPolicy
-
         self.dsn, self.workers = dsn, workers
         self.policy = RetentionPolicy.from_dict(
             {
@@ -144,8 +145,6 @@ class Bookkeeping:
 
     def run(self, seconds: float, duty: float, batch_ms: float) -> list[tuple[float, float]]:
         """The workers for ``seconds``: the (start, end) of every observation, in epoch seconds."""
-        from airflow_retention.core.running.budget import SharedBudget
-
         spans: list[tuple[float, float]] = []
         until = time.time() + seconds
         rest = batch_ms / 1000 * (1 / duty - 1)
@@ -164,8 +163,7 @@ class Bookkeeping:
                     spans.append((began, time.time()))
 
             budget._observe = timed_observe  # type: ignore[method-assign]
-            with closing(conn):
-                self.ledger.mark(conn, True)
+            with closing(conn), purge_session(conn, self.ledger, self.policy):
                 while time.time() < until:
                     budget.admit(conn)
                     time.sleep(rest)
