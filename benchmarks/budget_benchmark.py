@@ -100,6 +100,7 @@ from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: 
 DB = os.environ.get("RETENTION_BUDGET_BENCH_DB", "retention_budget_bench")
 PGBENCH = os.environ.get("PGBENCH", "/usr/bin/pgbench")
 WARMUP_S = 1.0  # pgbench's first second: its connections, left out of its latencies
+WARMUP_ALONE_S = 30.0  # the discarded first measurement: long enough for the first reads of each table
 ELIGIBLE_SHARE = 0.56  # of the table's rows (purge_benchmark's table), for chunk_rows
 # Besides 1.5x the foreground's p99 alone: where the slow transactions of several sizes come from.
 TAIL_THRESHOLDS_MS = (4.0, 8.0, 16.0, 50.0)
@@ -418,12 +419,13 @@ def read_observations(dsn: str, since: datetime, until: datetime | None = None) 
         conn.close()
 
 
-def alone(dsn: str, foreground: str, args: argparse.Namespace) -> Result:
-    """The foreground alone for ``--alone-s`` seconds: its idle latencies (on the table as the last case
-    left it, vacuumed: no copy needed)."""
+def alone(dsn: str, foreground: str, args: argparse.Namespace, seconds: float | None = None) -> Result:
+    """The foreground alone for ``seconds`` (``--alone-s``): its idle latencies (on the table as the last
+    case left it, vacuumed: no copy needed)."""
     admin_execute(dsn, "VACUUM bench.events")
     idle = (0, {})
-    return measure(dsn, "alone (no purge)", lambda: (time.sleep(args.alone_s), idle)[1], foreground, args, fresh=False)
+    wait = args.alone_s if seconds is None else seconds
+    return measure(dsn, "alone (no purge)", lambda: (time.sleep(wait), idle)[1], foreground, args, fresh=False)
 
 
 def combined(results: list[Result]) -> Result:
@@ -796,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
                     # Discarded: the first seconds after the tables were built (autovacuum, the first
                     # reads of each table) put the first measurement's p99 at several times the next ones'.
                     print("warming up ...", flush=True)
-                    alone(dsn, fg, args)
+                    alone(dsn, fg, args, min(args.alone_s, WARMUP_ALONE_S))
                 before = alone(dsn, fg, args)
                 # A transaction over the target (1.5x its p99 alone) is slow: what did the slow ones meet?
                 args.slow_ms = 1.5 * before.fg_p99_ms

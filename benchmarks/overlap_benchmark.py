@@ -2,7 +2,7 @@
 beside bursts of three kinds at the same duty cycle, each about as long as a purge's batch.
 
     python benchmarks/overlap_benchmark.py [--rows 4000000] [--blocks 128] [--duty 0.01 [0.0025 ...]]
-                                           [--kinds delete cpu wal budget] [--budget-workers N]
+                                           [--kinds delete cpu wal flushed budget] [--budget-workers N]
                                            [--seconds 60] [--none-seconds 40] [--dsn DSN] [--json out.json]
 
 In a database of its own (``retention_overlap_bench``): pgbench's TPC-B tables (``pgbench -i -s 10``) and a
@@ -17,6 +17,9 @@ budget's floor does:
   ``delete`` burst;
 - ``wal``: WAL only, a 1 MB ``pg_logical_emit_message`` in a transaction (about a purge batch's WAL at the
   floor, ``BURST_WAL_BYTES``);
+- ``flushed`` (only when asked for): the ``delete`` burst with ``backend_flush_after = 256kB`` for its
+  transaction, so that the dirty pages its session writes out are handed to the disk at once instead of
+  left to the kernel's writeback: does the purge's write-back slow the transactions that meet no batch?
 - ``budget`` (with ``--budget-workers N``): the database budget's own work with no batch at all: N
   threads, each a worker at the floor with empty batches (the real ``SharedBudget``: take a batch slot,
   rest as at ``--duty`` with a batch of the ``delete`` burst's length, give the slot back), so the
@@ -63,6 +66,8 @@ from airflow_retention.core.running.budget import SharedBudget, purge_session  #
 
 DATABASE = "retention_overlap_bench"
 KINDS = ("delete", "cpu", "wal")
+# Burst kinds run only when asked for (--kinds).
+EXTRA_KINDS = ("flushed",)
 SLOW = 1.5  # times the reference's p99
 SETTLE_S = 2.0  # the first seconds of each phase belong to the one before
 LEDGER_SQL = (
@@ -82,9 +87,11 @@ class Bursts:
         self.cur = self.conn.cursor()
         self.blocks, self.block, self.series = blocks, 0, 100_000
 
-    def delete(self) -> None:
+    def delete(self, flush: bool = False) -> None:
         cur = self.cur
         cur.execute("BEGIN")
+        if flush:
+            cur.execute("SELECT set_config('backend_flush_after', '256kB', true)")
         cur.execute(
             "DELETE FROM burst WHERE ctid >= %s::tid AND ctid < %s::tid",
             (f"({self.block},0)", f"({self.block + self.blocks},0)"),
@@ -92,6 +99,9 @@ class Bursts:
         cur.execute("UPDATE burst_ledger SET rows = rows + %s::bigint WHERE id = 1", (cur.rowcount,))
         cur.execute("COMMIT")
         self.block += self.blocks
+
+    def flushed(self) -> None:
+        self.delete(flush=True)
 
     def cpu(self) -> None:
         self.cur.execute("SELECT count(*) FROM generate_series(1, %s::bigint)", (self.series,))
@@ -230,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-workers", type=int, default=0, help="add budget phases: this many workers' budget, no batches"
     )
-    parser.add_argument("--kinds", nargs="+", choices=(*KINDS, "budget"), help="burst kinds (default: all)")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=(*KINDS, *EXTRA_KINDS, "budget"),
+        help="burst kinds (default: delete cpu wal, and budget with --budget-workers)",
+    )
     parser.add_argument("--dsn", default="host=127.0.0.1 user=postgres dbname=postgres")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -254,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind, duty in (*bursting, ("none", 0.0), *reversed(bursting), ("none", 0.0)):
         phases.append((kind, duty, args.none_seconds if kind == "none" else args.seconds))
     # Blocks the delete phases take (none without them).
-    needed = ("delete" in kinds) * args.blocks * 2 * args.seconds * sum(args.duty) * 1000 / max(delete_ms, 0.1)
+    deleting = sum(kind in kinds for kind in ("delete", "flushed"))
+    needed = deleting * args.blocks * 2 * args.seconds * sum(args.duty) * 1000 / max(delete_ms, 0.1)
     if bursts.block + needed > blocks:
         parser.error(f"--rows {args.rows:,}: {blocks:,} blocks, about {needed:,.0f} more needed at this duty")
     marks: list[tuple[str, float, float, list[tuple[float, float]]]] = []

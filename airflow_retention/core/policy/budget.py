@@ -95,7 +95,7 @@ class Budget:
     max_archive_backlog: int = 42
     yield_to_autovacuum: bool = False
     max_wal_rate: float | str | None = "auto"
-    min_duty: float = 0.01
+    min_duty: float = 0.005
     on_unreadable: str = "open"
     ignore_databases: tuple[str, ...] = ()
 

@@ -304,11 +304,11 @@ def test_a_wal_rate_far_above_its_limit_goes_straight_to_the_step_that_fits_it()
     # At most the step below, however little above: 10.1 MB/s at two batches: one step.
     d = decide(Budget(), start_level() + 1, 0, QUIET, BASELINE, [wal(10.1, limit=10.0)], foreground=2)
     assert d.step == Step(1, 1.0)
-    # Far above, from the floor's neighbour: the floor (min_duty, 1 % by default), not the ladder's lowest step.
+    # Far above, from the floor's neighbour: the floor (min_duty, 0.5 % by default), not the ladder's lowest step.
     floor = floor_level(Budget())
-    assert floor > 0 and DUTY_STEPS[floor] == Budget().min_duty == 0.01
+    assert floor > 0 and DUTY_STEPS[floor] == Budget().min_duty == 0.005
     d = decide(Budget(), floor + 1, 0, QUIET, BASELINE, [wal(1000.0)], foreground=2)
-    assert d.level == floor and d.step == Step(1, 0.01)
+    assert d.level == floor and d.step == Step(1, 0.005)
     # A policy whose floor is lower goes on down to it.
     low = Budget(min_duty=0.0025)
     d = decide(low, floor + 1, 0, QUIET, BASELINE, [wal(1000.0)], foreground=2)
