@@ -18,7 +18,9 @@ from typing import Any
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.controller import floor_level
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers
 from tests.core.helpers import create_events, fill_events, policy_data
@@ -112,14 +114,14 @@ def seed_budget_pressure(admin: Any, ledger_schema: str, held_run: str, floor_ru
         )
         assert cur.rowcount == 5
         if floor_run is not None:
-            # Twenty observations at the default floor (level 2: busy 1 %) over the run's span: more than the engine's.
+            # Twenty observations at the default floor over the run's span: more than the engine's.
             cur.execute(
                 f"INSERT INTO {s}.budget_observations (at, scope, level, concurrency, duty, paused, move, canary_ms,"
                 " baseline_ms, slots_busy, signals, reasons, observer)"
-                " SELECT r.planned_at + (r.completed_at - r.planned_at) * g / 21.0, 'database', 2, 1, 0.01, false,"
+                " SELECT r.planned_at + (r.completed_at - r.planned_at) * g / 21.0, 'database', %(l)s, 1, %(d)s, false,"
                 " 'down', 12.0, 3.0, 1, '{}'::jsonb, ARRAY['canary_latency 12.0 ms > 6.0 ms (baseline 3.0 ms)'],"
                 f" 'seed' FROM {s}.runs r, generate_series(1, 20) g WHERE r.run_key = %(k)s",
-                {"k": floor_run},
+                {"k": floor_run, "l": floor_level(Budget()), "d": Budget().min_duty},
             )
             assert cur.rowcount == 20
 

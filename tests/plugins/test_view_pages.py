@@ -15,6 +15,7 @@ import pytest
 
 from airflow_retention.cli.config import target_for
 from airflow_retention.cli.render import lag_text
+from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.postgres import airflow_connection_json
 from airflow_retention.plugins.budget import STUCK, THROTTLED
@@ -272,11 +273,11 @@ def _observations(admin: Any, ledger_schema: str, run_key: str) -> tuple[int, in
     or paused; counted with the test's own SQL."""
     with admin.cursor() as cur:
         cur.execute(
-            "SELECT count(*), count(*) FILTER (WHERE o.paused OR (o.concurrency = 1 AND o.duty <= 0.01))"
+            "SELECT count(*), count(*) FILTER (WHERE o.paused OR (o.concurrency = 1 AND o.duty <= %s))"
             f' FROM "{ledger_schema}".runs r'
             f' JOIN "{ledger_schema}".budget_observations o ON o.at BETWEEN r.planned_at AND r.completed_at'
             " WHERE r.run_key = %s",
-            (run_key,),
+            (Budget().min_duty, run_key),
         )
         n, floor = cur.fetchone()
         return int(n), int(floor)

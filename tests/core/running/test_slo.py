@@ -13,11 +13,18 @@ import pytest
 
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.planner import plan_run
+from airflow_retention.core.policy.budget import Budget
+from airflow_retention.core.running.controller import floor_level
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.slo import cleanup_slo, lambda_per_day, schedule_interval
 from airflow_retention.core.running.verify import measure_leftovers
 
 from ..helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows
+
+# The default floor: its level on the ladder and its duty cycle.
+FLOOR, FLOOR_DUTY = floor_level(Budget()), Budget().min_duty
+# c of the last run: at the floor 60 % of the time, one full batch 20 %, paused 20 %.
+LAST_C = 0.6 * FLOOR_DUTY + 0.2
 
 DAY = timedelta(days=1)
 
@@ -97,7 +104,7 @@ def _history(admin: Any, ledger_schema: str, now: datetime) -> None:
     """Three daily runs of ``slo_events`` (5M, 10M, 14M rows; the last left 100,000 eligible), each one chunk
     whose working time is 10,000 (after a throttle's 500 s), 20,000 and 28,000 s (μ = 500 rows/s); the last
     run's chunk paused 600 s for the canary and 120 s for slots, and the budget's observations over it: at
-    its floor (0.01 of one batch) 60 % of the time, one full batch 20 %, paused 20 % (c = 0.206). Plus what
+    its floor (one batch at the default min_duty) 60 % of the time, one full batch 20 %, paused 20 % (LAST_C). Plus what
     must not count: another policy's run, a lone run and a dry run of the policy, and observations before
     and after the run."""
     s = f'"{ledger_schema}"'
@@ -136,7 +143,7 @@ def _history(admin: Any, ledger_schema: str, now: datetime) -> None:
         )  # fmt: skip
     observations = [
         (-100, 8, 4, 1.0, False, []),  # before the run: not counted
-        (0, 2, 1, 0.01, False, ["canary_latency 9.0 ms > 4.0 ms (baseline 1.0 ms)"]),
+        (0, FLOOR, 1, FLOOR_DUTY, False, ["canary_latency 9.0 ms > 4.0 ms (baseline 1.0 ms)"]),
         (0.6 * span, 5, 1, 1.0, False, []),
         (0.8 * span, 5, 1, 1.0, True, ["replica_lag 40000ms > 30000ms"]),
         (span + 100, 8, 4, 1.0, False, []),  # after it
@@ -169,9 +176,9 @@ def test_a_recorded_history_that_cannot_keep_up_and_a_budget_at_its_floor_warn(
     # λ: the two later runs' rows over the two days from the first run's date to the last's.
     assert slo.lambda_rows_per_day == pytest.approx(12_000_000)
     assert slo.mu_rows_per_s == pytest.approx(500)
-    assert slo.concurrency == pytest.approx(0.206)
+    assert slo.concurrency == pytest.approx(LAST_C)
     assert slo.backlog_rows == 100_000
-    assert slo.capacity_rows == pytest.approx(0.206 * 500 * 86_400)  # 8,899,200
+    assert slo.capacity_rows == pytest.approx(LAST_C * 500 * 86_400)
     assert slo.needed_rows == pytest.approx(12_100_000)
     assert slo.keeps_up is False
     assert slo.observations == 3 and slo.floor_share == pytest.approx(2 / 3)
@@ -179,8 +186,8 @@ def test_a_recorded_history_that_cannot_keep_up_and_a_budget_at_its_floor_warn(
     assert slo.floor_reasons == ("canary_latency", "replica_lag", "slots")
     risk, exhausted = slo.warnings
     assert risk.startswith(
-        "cleanup SLO at risk: c*mu = 103.0 rows/s cannot keep up with lambda 12,000,000 rows/day plus a backlog"
-        " of 100,000 row(s) within the cleanup window 1 day"
+        f"cleanup SLO at risk: c*mu = {LAST_C * 500:.1f} rows/s cannot keep up with lambda 12,000,000 rows/day"
+        " plus a backlog of 100,000 row(s) within the cleanup window 1 day"
     ), risk
     assert exhausted.startswith(
         "exhausted database budget: held at its floor for 67% of the last run (reasons: canary_latency (600 s"
@@ -191,9 +198,9 @@ def test_a_recorded_history_that_cannot_keep_up_and_a_budget_at_its_floor_warn(
     weekly = cleanup_slo(conn, make_policy(schema, budget=True, name="slo_events", cleanup_window="7 days"))
     assert weekly is not None and weekly.window_s == 7 * 86_400
     assert weekly.needed_rows == pytest.approx(7 * 12_000_000 + 100_000) and weekly.keeps_up is False
-    # A policy whose own duty cycle is below the budget's caps it: c = 0.6 x 0.01 (below it) + 0.2 x 0.05.
+    # A policy whose own duty cycle is below the budget's caps it: c = 0.6 x the floor (below it) + 0.2 x 0.05.
     halved = cleanup_slo(conn, make_policy(schema, budget=True, name="slo_events", max_duty_cycle=0.05))
-    assert halved is not None and halved.concurrency == pytest.approx(0.6 * 0.01 + 0.2 * 0.05)
+    assert halved is not None and halved.concurrency == pytest.approx(0.6 * FLOOR_DUTY + 0.2 * 0.05)
 
 
 def test_lambda_and_the_schedule_interval() -> None:
