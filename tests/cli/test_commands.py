@@ -17,14 +17,22 @@ from airflow_retention.cli.runs import progress_of
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.ledger.schema import SCHEMA_VERSION
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.running.controller import floor_level
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers
 
 from ..conftest import DSN
-from ..core.helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows, scalar
+from ..core.helpers import (
+    CUTOFF,
+    FLOOR_DUTY,
+    FLOOR_LEVEL,
+    create_events,
+    eligible_ids,
+    fill_events,
+    make_policy,
+    rows,
+    scalar,
+)
 from .helpers import RUN_DATE, policy_data, run_cli, write_policies
 
 
@@ -705,7 +713,7 @@ def test_status_shows_the_budget_the_pauses_per_reason_and_the_cleanup_slo(
         admin,
         f"UPDATE {s}.budget_observations SET level = %(l)s, duty = %(d)s,"
         " reasons = ARRAY['canary_latency 9.0 ms > 3.0 ms (baseline 1.0 ms)']",
-        {"l": floor_level(Budget()), "d": Budget().min_duty},
+        {"l": FLOOR_LEVEL, "d": FLOOR_DUTY},
     )
     rows(admin, f"UPDATE {s}.runs SET eligible_left = 1000000000000 WHERE run_key = %(k)s", {"k": plan.run_key})
     status = run_cli(capsys, *args, "status", "--as-of", "2024-07-01T12:00:00Z")

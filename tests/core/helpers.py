@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.model import RetentionPolicy
+from airflow_retention.core.running.controller import floor_level
 
 # A fixed instant in the past: plan_run refuses cutoffs in the future, and a fixed one keeps run keys stable.
 CUTOFF = datetime(2024, 6, 1, 12, 0, tzinfo=timezone.utc)
 CONDITION = "status <> 'open'"
+# The default budget's floor, its level on the ladder and its duty cycle: observations seeded "at the floor".
+FLOOR_LEVEL, FLOOR_DUTY = floor_level(Budget()), Budget().min_duty
 # An eligible row, as the tests compute it independently of the package's SQL.
 ELIGIBLE = "created_at < %(cutoff)s::timestamptz AND status <> 'open'"
 

@@ -18,12 +18,10 @@ from typing import Any
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.cutoff import freeze_cutoff
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.model import RetentionPolicy
-from airflow_retention.core.running.controller import floor_level
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.verify import measure_leftovers
-from tests.core.helpers import create_events, fill_events, policy_data
+from tests.core.helpers import FLOOR_DUTY, FLOOR_LEVEL, create_events, fill_events, policy_data
 
 CHUNK_ERROR = "lock timeout (SQLSTATE 55P03): canceling statement due to lock timeout"
 # Rows from two days before the first cutoff to the fourth cutoff, one an hour of 120, spread evenly.
@@ -121,7 +119,7 @@ def seed_budget_pressure(admin: Any, ledger_schema: str, held_run: str, floor_ru
                 " SELECT r.planned_at + (r.completed_at - r.planned_at) * g / 21.0, 'database', %(l)s, 1, %(d)s, false,"
                 " 'down', 12.0, 3.0, 1, '{}'::jsonb, ARRAY['canary_latency 12.0 ms > 6.0 ms (baseline 3.0 ms)'],"
                 f" 'seed' FROM {s}.runs r, generate_series(1, 20) g WHERE r.run_key = %(k)s",
-                {"k": floor_run, "l": floor_level(Budget()), "d": Budget().min_duty},
+                {"k": floor_run, "l": FLOOR_LEVEL, "d": FLOOR_DUTY},
             )
             assert cur.rowcount == 20
 

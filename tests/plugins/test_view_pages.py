@@ -15,7 +15,6 @@ import pytest
 
 from airflow_retention.cli.config import target_for
 from airflow_retention.cli.render import lag_text
-from airflow_retention.core.policy.budget import Budget
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.demo.postgres import airflow_connection_json
 from airflow_retention.plugins.budget import STUCK, THROTTLED
@@ -23,6 +22,7 @@ from airflow_retention.plugins.data import PolicySet, ledger_session, load_panel
 from airflow_retention.plugins.render import overview_page, run_page
 
 from ..conftest import DSN
+from ..core.helpers import FLOOR_DUTY
 from .conftest import stopped
 from .helpers import (
     CHUNK_ERROR,
@@ -277,7 +277,7 @@ def _observations(admin: Any, ledger_schema: str, run_key: str) -> tuple[int, in
             f' FROM "{ledger_schema}".runs r'
             f' JOIN "{ledger_schema}".budget_observations o ON o.at BETWEEN r.planned_at AND r.completed_at'
             " WHERE r.run_key = %s",
-            (Budget().min_duty, run_key),
+            (FLOOR_DUTY, run_key),
         )
         n, floor = cur.fetchone()
         return int(n), int(floor)

@@ -13,16 +13,12 @@ import pytest
 
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.planning.planner import plan_run
-from airflow_retention.core.policy.budget import Budget
-from airflow_retention.core.running.controller import floor_level
 from airflow_retention.core.running.engine import run_chunk
 from airflow_retention.core.running.slo import cleanup_slo, lambda_per_day, schedule_interval
 from airflow_retention.core.running.verify import measure_leftovers
 
-from ..helpers import CUTOFF, create_events, eligible_ids, fill_events, make_policy, rows
+from ..helpers import CUTOFF, FLOOR_DUTY, FLOOR_LEVEL, create_events, eligible_ids, fill_events, make_policy, rows
 
-# The default floor: its level on the ladder and its duty cycle.
-FLOOR, FLOOR_DUTY = floor_level(Budget()), Budget().min_duty
 # c of the last run: at the floor 60 % of the time, one full batch 20 %, paused 20 %.
 LAST_C = 0.6 * FLOOR_DUTY + 0.2
 
@@ -143,7 +139,7 @@ def _history(admin: Any, ledger_schema: str, now: datetime) -> None:
         )  # fmt: skip
     observations = [
         (-100, 8, 4, 1.0, False, []),  # before the run: not counted
-        (0, FLOOR, 1, FLOOR_DUTY, False, ["canary_latency 9.0 ms > 4.0 ms (baseline 1.0 ms)"]),
+        (0, FLOOR_LEVEL, 1, FLOOR_DUTY, False, ["canary_latency 9.0 ms > 4.0 ms (baseline 1.0 ms)"]),
         (0.6 * span, 5, 1, 1.0, False, []),
         (0.8 * span, 5, 1, 1.0, True, ["replica_lag 40000ms > 30000ms"]),
         (span + 100, 8, 4, 1.0, False, []),  # after it
