@@ -160,6 +160,21 @@ class LedgerBudget(LedgerSchema):
         )
         return int(rows[0][0]), int(rows[0][1])
 
+    def slot_holders(self, conn: Any) -> frozenset[tuple[int, int, int]]:
+        """Every batch and tenant slot other sessions hold on this database: (backend pid, lock class, key).
+        Read before and after a wait for a slot: the same set at both ends means no batch began or ended
+        meanwhile."""
+        rows = dbapi.fetch_all(
+            conn,
+            "SELECT pid, classid::bigint, objid::bigint FROM pg_catalog.pg_locks"
+            " WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock' AND objsubid = 2"
+            " AND pid <> pg_backend_pid()"
+            " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)"
+            " AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+            {"k": SLOT_CLASS, "t": TENANT_CLASS},
+        )
+        return frozenset((int(pid), int(cls), int(key)) for pid, cls, key in rows)
+
     def foreground_sessions(self, conn: Any, within_s: float, ignore_databases: Sequence[str] = ()) -> int:
         """Client sessions of the server, other than this one and the purges' (holding :data:`PURGE_MARK`,
         or holding or queued for a batch or tenant slot) and those in ``ignore_databases``, that ran a

@@ -29,7 +29,7 @@ from typing import Any
 
 from airflow_retention.core.db.pressure import WAL_RATE, Signal, read_signals, read_wal_rate
 from airflow_retention.core.errors import RetryableError
-from airflow_retention.core.ledger.budget import BudgetState, TenantSlot
+from airflow_retention.core.ledger.budget import BudgetState, Slot, TenantSlot
 from airflow_retention.core.ledger.ledger import Ledger
 from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.controller import decide, first_level, ladder, start_level
@@ -92,7 +92,10 @@ class SharedBudget:
         self._told_tenant = False
         self.next_look = 0.0
         self.pending: dict[str, float] = {}
-        self.paused_s = 0.0  # paused (signals) or waiting for a slot in this attempt
+        # Paused by a signal, or waiting for a slot while nothing moved (:meth:`_wait`), in this attempt:
+        # what counts towards give_up_after.
+        self.held_s = 0.0
+        self._stuck_on: list[int] = []  # the sessions that held the slots through the last wait that counted
         self._told: tuple[int, bool, tuple[str, ...]] | None = None
         self._unreadable: set[str] = set()
 
@@ -115,13 +118,10 @@ class SharedBudget:
             slot = self._take(conn, state.concurrency)
             if slot is None:
                 # Every slot is busy: queue on one for at most a period, then look at the budget again.
-                started = self.clock()
                 slot = self.rng.randrange(state.concurrency)
-                if not self.ledger.wait_slot(conn, slot, self.settings.period_ms):
-                    slot = None
-                self._account(self._slot_reason(state), self.clock() - started)
-                if slot is None:  # not holding one: giving up with a slot would keep it until the session ends
-                    self._give_up_past(state, f"waiting for a batch slot ({self._slot_reason(state)})")
+                if not self._wait(conn, slot, self._slot_reason(state)):
+                    slot = None  # not holding one: giving up with a slot would keep it until the session ends
+                    self._give_up_past(state, f"waiting for a batch slot ({self._slot_reason(state)}){self._stuck()}")
             if slot is not None:
                 if slot < state.concurrency:
                     self.slot = slot
@@ -145,17 +145,37 @@ class SharedBudget:
                 len(self.tenant_slots),
             )
         while True:
-            started = self.clock()
             slot = self.rng.choice(self.tenant_slots)
-            taken = self.ledger.wait_slot(conn, slot, self.settings.period_ms)
-            self._account(TENANT_CEILING, self.clock() - started)
-            if taken:
+            if self._wait(conn, slot, TENANT_CEILING):
                 self.tenant_slot = slot
                 return
             self._give_up_past(
                 self.state,
-                f"waiting for a slot of tenant {slot.tenant} (max_workers_per_tenant {len(self.tenant_slots)})",
+                f"waiting for a slot of tenant {slot.tenant} (max_workers_per_tenant {len(self.tenant_slots)})"
+                f"{self._stuck()}",
             )
+
+    def _wait(self, conn: Any, slot: Slot, reason: str) -> bool:
+        """Queue for ``slot`` for at most a period; the wait is accounted to ``reason``. It counts towards
+        ``give_up_after`` only when it ended without the slot and the same sessions held the same slots at
+        both ends: then no batch of any purge on the database began or ended while it waited (a holder
+        hung, or a session holding a slot for another reason). A wait while the slots change hands is the
+        budget shared: four workers at one batch at a time each wait three quarters of the purge."""
+        before = self.ledger.slot_holders(conn)
+        started = self.clock()
+        taken = self.ledger.wait_slot(conn, slot, self.settings.period_ms)
+        waited = self.clock() - started
+        stalled = not taken and self.ledger.slot_holders(conn) == before
+        if stalled:
+            self._stuck_on = sorted({pid for pid, _, _ in before})
+        self._account(reason, waited, waiting=stalled)
+        return taken
+
+    def _stuck(self) -> str:
+        """Who held the slots through the waits that counted: the sessions for an operator to look at."""
+        if not self._stuck_on:
+            return ""
+        return f", the slots held throughout by backend pid(s) {', '.join(map(str, self._stuck_on))}"
 
     def _take(self, conn: Any, concurrency: int) -> int | None:
         for slot in range(concurrency):
@@ -174,7 +194,7 @@ class SharedBudget:
 
     def _give_up_past(self, state: BudgetState | None, doing: str) -> None:
         limit_ms = self.policy.throttle.give_up_after_ms
-        if self.paused_s * 1000 >= limit_ms:
+        if self.held_s * 1000 >= limit_ms:
             budget = (
                 f"; budget: {self.steps[state.level].describe()}"
                 f"{' (' + '; '.join(state.reasons) + ')' if state.reasons else ''}"
@@ -182,7 +202,7 @@ class SharedBudget:
                 else ""
             )
             raise RetryableError(
-                f"{self.label}: {doing} for {self.paused_s:.1f} s in this attempt (give_up_after"
+                f"{self.label}: {doing} for {self.held_s:.1f} s in this attempt (give_up_after"
                 f" {limit_ms / 1000:g} s){budget}. Committed batches stay; the task's retry resumes the chunk"
             )
 
@@ -372,11 +392,11 @@ class SharedBudget:
         return "slots"
 
     def _account(self, reason: str, seconds: float, *, waiting: bool = True) -> None:
-        """``waiting``: a pause or a wait for a slot, which counts towards ``give_up_after`` (a rest of the
-        duty cycle does not: it is the budget working, not the purge held)."""
+        """``waiting``: a pause, or a wait for a slot while nothing moved, which counts towards
+        ``give_up_after`` (a rest of the duty cycle does not: it is the budget working, not the purge held)."""
         self.pending[reason] = self.pending.get(reason, 0.0) + seconds
         if waiting:
-            self.paused_s += seconds
+            self.held_s += seconds
 
 
 @contextmanager

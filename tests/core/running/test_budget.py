@@ -288,6 +288,49 @@ def test_workers_on_connections_of_their_own_never_hold_more_slots_than_the_budg
     assert scalar(db, f'SELECT concurrency FROM "{policy.ledger_schema}".budget_state') == 2  # nobody moved it
 
 
+def test_workers_sharing_one_slot_wait_past_give_up_after_without_giving_up(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """Four workers at one batch at a time each wait about three quarters of the purge: the budget shared,
+    not the purge held. Beside pgbench at the floor, 10M rows, three of four gave up after 600 s of such
+    waits, half an hour into the purge. Each batch here holds the slot 120 ms, so a worker queued behind
+    another and a holder waits past the period (200 ms) and looks again: those waits, while the slot
+    changes hands, do not count."""
+    table = events(db, schema)
+    policy = make_policy(schema, batch_size=50, chunk_rows=520, budget=BUDGET, throttle={"give_up_after": "200ms"})
+    plan = make_plan(db, policy)
+    assert len(plan.chunks) == 4
+    eligible, total = len(eligible_ids(db, table)), scalar(db, f"SELECT count(*) FROM {table}")
+    force(db, policy, level_of(1))
+    results, errors = run_in_threads(budget_dsn, [(policy, c) for c in plan.chunks], Inside(0.12))
+    assert errors == []
+    assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+    waited = sorted(r.paused.get("slots", 0.0) for r in results.values())
+    assert waited[-1] > 0.4, waited  # twice give_up_after: counted as before, the worker would have given up
+    assert slots(db) == []
+
+
+def test_a_worker_waiting_on_a_slot_nobody_gives_back_gives_up_naming_its_holder(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """A session that keeps the only batch slot (a worker hung mid-rest, say): the waits count, and the chunk
+    stops past give_up_after naming the session to look at, having deleted nothing."""
+    table = events(db, schema, count=200)
+    policy = make_policy(schema, budget=BUDGET, throttle={"give_up_after": "300ms"})
+    (chunk,) = make_plan(db, policy).chunks
+    force(db, policy, level_of(1))
+    before = scalar(db, f"SELECT count(*) FROM {table}")
+    with closing(_admin(budget_dsn)) as holder:
+        assert rows(holder, "SELECT pg_try_advisory_lock(%(k)s::integer, 0)", {"k": SLOT_CLASS}) == [(True,)]
+        pid = rows(holder, "SELECT pg_backend_pid()")[0][0]
+        with closing(connect("psycopg", budget_dsn)) as conn, pytest.raises(RetryableError) as caught:
+            run_chunk(conn, policy, CUTOFF, chunk)
+    message = str(caught.value)
+    assert f"waiting for a batch slot (slots), the slots held throughout by backend pid(s) {pid} for" in message
+    assert "give_up_after 0.3 s" in message and "retry resumes the chunk" in message
+    assert scalar(db, f"SELECT count(*) FROM {table}") == before
+
+
 def test_a_worker_killed_holding_a_slot_loses_it_and_the_others_take_it(
     db: Any, schema: str, budget_dsn: str, tmp_path: Path
 ) -> None:
