@@ -78,6 +78,13 @@ Slot = int | TenantSlot
 PURGE_MARK = TenantSlot("", "", -1)
 
 
+# The advisory locks of this database keyed by two integers (the slots' and the purge mark's), for pg_locks.
+_SLOT_LOCKS = (
+    " FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+    " AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
+)
+
+
 def _lock_args(slot: Slot) -> tuple[str, dict[str, Any]]:
     """The advisory lock's two keys of ``slot``: SQL and parameters (the tenant's text hashed by the server)."""
     if isinstance(slot, TenantSlot):
@@ -152,10 +159,8 @@ class LedgerBudget(LedgerSchema):
         """Batch slots held, and sessions queued for one (``wait_slot``)."""
         rows = dbapi.fetch_all(
             conn,
-            "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted)"
-            " FROM pg_catalog.pg_locks WHERE locktype = 'advisory'"
-            " AND classid = %(k)s::bigint::oid AND objsubid = 2"
-            " AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+            f"SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted){_SLOT_LOCKS}"
+            " AND classid = %(k)s::bigint::oid",
             {"k": SLOT_CLASS},
         )
         return int(rows[0][0]), int(rows[0][1])
@@ -166,11 +171,9 @@ class LedgerBudget(LedgerSchema):
         meanwhile."""
         rows = dbapi.fetch_all(
             conn,
-            "SELECT pid, classid::bigint, objid::bigint FROM pg_catalog.pg_locks"
-            " WHERE locktype = 'advisory' AND granted AND mode = 'ExclusiveLock' AND objsubid = 2"
-            " AND pid <> pg_backend_pid()"
-            " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)"
-            " AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())",
+            f"SELECT pid, classid::bigint, objid::bigint{_SLOT_LOCKS}"
+            " AND granted AND mode = 'ExclusiveLock' AND pid <> pg_backend_pid()"
+            " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)",
             {"k": SLOT_CLASS, "t": TENANT_CLASS},
         )
         return frozenset((int(pid), int(cls), int(key)) for pid, cls, key in rows)
