@@ -36,7 +36,9 @@ database): a purge under the budget must not cost speed when nobody is there.
 
 ``--set wal_compression=lz4`` (any policy field, YAML spelling, several allowed) changes the new defaults of
 ``c``, ``d`` and the step load, and is written into their names and the JSON; ``--variant
-wal_compression=lz4`` runs ``c`` and ``d`` once more with it, beside the plain ones in the same run.
+wal_compression=lz4`` runs ``c`` and ``d`` once more with it, beside the plain ones in the same run. A
+field ``pacing.NAME`` sets a constant of the engine's pacing module in the workers of ``c`` and ``d``
+instead (not the step load's): ``--variant pacing.BURST_WAL_BYTES=262144`` A/B-tests a smaller WAL burst.
 
 The step load (``--skip-step`` leaves it out): the new defaults on 4 workers, while pgbench runs at the
 first ``--step-rates`` value, a second pgbench adds the difference from ``--step-at``'s first second
@@ -92,6 +94,7 @@ from airflow_retention.core.ledger.ledger import Ledger  # noqa: E402
 from airflow_retention.core.planning.planner import plan_run  # noqa: E402
 from airflow_retention.core.policy.loading import policy_to_dict  # noqa: E402
 from airflow_retention.core.policy.model import RetentionPolicy  # noqa: E402
+from airflow_retention.core.running import pacing  # noqa: E402
 from airflow_retention.core.running.controller import ladder  # noqa: E402
 from airflow_retention.core.running.engine import run_chunk  # noqa: E402
 from airflow_retention.demo.postgres import admin_execute, resolve_dsn  # noqa: E402
@@ -216,8 +219,19 @@ def percentiles(latencies: list[float]) -> tuple[float, float]:
 Purge = Callable[[], tuple[int, dict[str, Any]]]
 
 
-def _worker(dsn: str, policy: RetentionPolicy, cutoff: datetime, chunks: list[Any], todo: Any, out: Any) -> None:
-    """One worker slot: its own connection, the next chunk of the planned run until none is left."""
+def _worker(
+    dsn: str,
+    policy: RetentionPolicy,
+    cutoff: datetime,
+    chunks: list[Any],
+    todo: Any,
+    out: Any,
+    constants: dict[str, Any] | None = None,
+) -> None:
+    """One worker slot: its own connection, the next chunk of the planned run until none is left.
+    ``constants``: the engine's pacing constants this variant changes (``pacing.BURST_WAL_BYTES=262144``)."""
+    for name, value in (constants or {}).items():
+        setattr(pacing, name, value)
     batches: list[tuple[float, int, float]] = []
     paused: dict[str, float] = {}
     rows = 0
@@ -236,7 +250,9 @@ def _worker(dsn: str, policy: RetentionPolicy, cutoff: datetime, chunks: list[An
         out.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def engine(dsn: str, policy: RetentionPolicy, workers: int) -> tuple[int, dict[str, Any]]:
+def engine(
+    dsn: str, policy: RetentionPolicy, workers: int, constants: dict[str, Any] | None = None
+) -> tuple[int, dict[str, Any]]:
     """Plan once, then ``workers`` processes run the chunks of the planned run, as worker slots would."""
     conn = psycopg2.connect(dsn)
     plan = plan_run(conn, policy, pb.CUTOFF)
@@ -248,7 +264,9 @@ def engine(dsn: str, policy: RetentionPolicy, workers: int) -> tuple[int, dict[s
     for _ in range(workers):
         todo.put(None)
     procs = [
-        ctx.Process(target=_worker, args=(dsn, policy, plan.cutoff, list(plan.chunks), todo, out), daemon=True)
+        ctx.Process(
+            target=_worker, args=(dsn, policy, plan.cutoff, list(plan.chunks), todo, out, constants), daemon=True
+        )
         for _ in range(workers)
     ]
     for p in procs:
@@ -694,6 +712,18 @@ def _override(text: str) -> tuple[str, Any]:
     return field.strip(), yaml.safe_load(value)
 
 
+def _split(changed: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Policy fields, and the engine's pacing constants (``pacing.NAME``: module constants of
+    ``airflow_retention.core.running.pacing``, set in the worker processes; for A/B runs of what is not a
+    policy field)."""
+    fields = {k: v for k, v in changed.items() if not k.startswith("pacing.")}
+    constants = {k.removeprefix("pacing."): v for k, v in changed.items() if k.startswith("pacing.")}
+    for name in constants:
+        if not name.isupper() or not hasattr(pacing, name):
+            raise SystemExit(f"pacing.{name}: not a constant of airflow_retention.core.running.pacing")
+    return fields, constants
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
@@ -755,12 +785,14 @@ def main(argv: list[str] | None = None) -> int:
     rows = 10_000_000 if args.large else args.rows
     chunk_rows = max(1, int(rows * ELIGIBLE_SHARE / args.chunks))
     overrides = dict(_override(o) for o in args.overrides)
-    new = policy_with(chunk_rows=chunk_rows, **overrides)
+    fields, constants = _split(overrides)
+    new = policy_with(chunk_rows=chunk_rows, **fields)
     # The new defaults, then each --variant of them: measured side by side in the same run.
-    variants = [(overrides, new)]
+    variants = [(overrides, new, constants)]
     for text in args.variants:
         changed = {**overrides, **dict(_override(o) for o in text.split(","))}
-        variants.append((changed, policy_with(chunk_rows=chunk_rows, **changed)))
+        fields, constants = _split(changed)
+        variants.append((changed, policy_with(chunk_rows=chunk_rows, **fields), constants))
     old = policy_with(chunk_rows=chunk_rows, budget=False)
     server = resolve_dsn(args.dsn)
     admin_execute(server, f'DROP DATABASE IF EXISTS "{DB}" WITH (FORCE)', f'CREATE DATABASE "{DB}"')
@@ -779,14 +811,19 @@ def main(argv: list[str] | None = None) -> int:
     for w in args.workers:
         if "b" in args.cases:
             cases.append((f"b. budget off (before), {w} worker(s)", lambda w=w: engine(dsn, old, w)))
-    for changed, policy in variants:
+    for changed, policy, constants in variants:
         shown = "".join(f", {k} {v}" for k, v in changed.items())
         if "c" in args.cases and 1 in args.workers:
-            cases.append((f"c. new defaults{shown}, 1 worker", lambda p=policy: engine(dsn, p, 1)))
+            cases.append((f"c. new defaults{shown}, 1 worker", lambda p=policy, k=constants: engine(dsn, p, 1, k)))
         if "d" in args.cases:
             for w in args.workers:
                 if w > 1:
-                    cases.append((f"d. new defaults{shown}, {w} workers", lambda w=w, p=policy: engine(dsn, p, w)))
+                    cases.append(
+                        (
+                            f"d. new defaults{shown}, {w} workers",
+                            lambda w=w, p=policy, k=constants: engine(dsn, p, w, k),
+                        )
+                    )
     try:
         pb.build_template(dsn, rows)
         pgbench_init(dsn, args.pgbench_scale)
@@ -831,7 +868,7 @@ def main(argv: list[str] | None = None) -> int:
                 "chunk_rows": chunk_rows,
                 "pgbench": {"rate": args.pgbench_rate, "clients": args.pgbench_clients, "scale": args.pgbench_scale},
                 "overrides": overrides,
-                "variants": [changed for changed, _ in variants[1:]],
+                "variants": [changed for changed, _, _ in variants[1:]],
                 "budget": new.budget.to_dict(),
                 "ladder": [asdict(s) for s in ladder(new.budget.max_workers)],
                 "alone": {fg: asdict(r) for fg, r in alone_by_fg.items()},

@@ -30,14 +30,14 @@ TODAY = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microseco
 ARTIFACTS = REPO / "test-artifacts"
 
 
-# The recovery drill (test_recovery_drill.py): 10 tenants x 10 chunks x 5,000 rows, four chunk tasks at once.
+# The recovery drill (test_recovery_drill.py): 10 tenants x 4 chunks x 5,000 rows, four chunk tasks at once.
 DRILL_POLICY = {
     "name": "drill_events",
     "table": "drill.events",
     "key_column": "id",
     "timestamp_column": "created_at",
     "tenant_column": "tenant_id",
-    "chunk_by": "key",  # per-tenant key chunks of 5,000 rows: the drill's plan is exactly 100 chunks
+    "chunk_by": "key",  # per-tenant key chunks of 5,000 rows: the drill's plan is exactly 40 chunks
     "retention": "1 day",
     "batch_size": 1000,
     "target_batch_time": 0,  # fixed batches: the drill holds a row of the victim's third batch

@@ -137,6 +137,20 @@ class LedgerBudget(LedgerSchema):
             )
         return (time.perf_counter() - started) * 1000
 
+    def canary_median(self, conn: Any, periods: int) -> tuple[float | None, int]:
+        """The median canary of the last ``periods`` observations since the baseline was measured, and how
+        many there were (fewer early in a run)."""
+        rows = dbapi.fetch_all(
+            conn,
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY canary_ms), count(*) FROM"
+            f" (SELECT o.canary_ms FROM {self.s}.budget_observations o JOIN {self.s}.budget_state s USING (scope)"
+            " WHERE o.scope = %(scope)s AND o.at > s.baseline_at AND o.canary_ms IS NOT NULL"
+            " ORDER BY o.at DESC LIMIT %(n)s::integer) recent",
+            {"scope": SCOPE, "n": periods},
+        )
+        median, count = rows[0]
+        return (None if median is None else float(median)), int(count)
+
     def wal_mark(self, conn: Any, window_s: float) -> tuple[str, float] | None:
         """Where the WAL rate is measured from: the WAL position and age (seconds) of the newest observation
         at least ``window_s`` old, else of the oldest younger one; observations older than three windows
@@ -165,18 +179,22 @@ class LedgerBudget(LedgerSchema):
         )
         return int(rows[0][0]), int(rows[0][1])
 
-    def slot_holders(self, conn: Any) -> frozenset[tuple[int, int, int]]:
-        """Every batch and tenant slot other sessions hold on this database: (backend pid, lock class, key).
-        Read before and after a wait for a slot: the same set at both ends means no batch began or ended
-        meanwhile."""
+    def slot_holders(self, conn: Any) -> frozenset[tuple[Any, ...]]:
+        """Every batch and tenant slot other sessions hold on this database, with what its session last did:
+        (backend pid, lock class, key, the session's last statement start and state change). Read before and
+        after a wait for a slot: the same set at both ends means no batch began or ended meanwhile, not even
+        one by a session that gave a slot back and took it again (its statements moved the times). Another
+        role's times are hidden without ``pg_read_all_stats``: then only the slots themselves are compared."""
         rows = dbapi.fetch_all(
             conn,
-            f"SELECT pid, classid::bigint, objid::bigint{_SLOT_LOCKS}"
-            " AND granted AND mode = 'ExclusiveLock' AND pid <> pg_backend_pid()"
+            "SELECT pid, classid::bigint, objid::bigint,"
+            " (SELECT a.query_start FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_locks.pid),"
+            " (SELECT a.state_change FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_locks.pid)"
+            f"{_SLOT_LOCKS} AND granted AND mode = 'ExclusiveLock' AND pid <> pg_backend_pid()"
             " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)",
             {"k": SLOT_CLASS, "t": TENANT_CLASS},
         )
-        return frozenset((int(pid), int(cls), int(key)) for pid, cls, key in rows)
+        return frozenset((int(pid), int(cls), int(key), started, changed) for pid, cls, key, started, changed in rows)
 
     def foreground_sessions(self, conn: Any, within_s: float, ignore_databases: Sequence[str] = ()) -> int:
         """Client sessions of the server, other than this one and the purges' (holding :data:`PURGE_MARK`,

@@ -66,6 +66,11 @@ class BatchSizer:
     instead of oscillating, except that a batch under a quarter of the target doubles the size at once.
     A batch that ended its range early (fewer keys than asked) says nothing about the size and is
     ignored. With ``target_ms`` 0 the size never changes.
+
+    After the statement cap cut a batch, the size never grows past half of it again in this chunk: in a
+    block chunk's tail of cold pages that hold no eligible rows, batches that delete nothing are fast and
+    doubled at once, and the next big one reads cold pages past the cap again (a chunk was cut five times
+    in 7 s at the same 172,624 rows: 300 ms of reading thrown away each time).
     """
 
     def __init__(self, start: int, smallest: int, largest: int, target_ms: int) -> None:
@@ -74,6 +79,7 @@ class BatchSizer:
         self.largest = largest
         self.target_ms = target_ms
         self._calm = 0
+        self._ceiling = largest  # lowered by each cut: see the class docstring
 
     @classmethod
     def for_policy(cls, policy: RetentionPolicy, start: int | None = None) -> BatchSizer:
@@ -95,7 +101,7 @@ class BatchSizer:
             self._calm += 1
             if self._calm >= CALM_BATCHES or ms < self.target_ms * FAR_BELOW:
                 self._calm = 0
-                self.size = min(self.largest, max(self.size, int(used * min(ratio, MAX_STEP))))
+                self.size = min(self._ceiling, max(self.size, int(used * min(ratio, MAX_STEP))))
         else:
             self._calm = 0
         return self.size
@@ -107,6 +113,7 @@ class BatchSizer:
             return False
         self._calm = 0
         self.size = max(self.smallest, size // CUT_SHORT_DIVISOR)
+        self._ceiling = max(self.size, min(self._ceiling, size // 2))
         return True
 
 

@@ -526,14 +526,16 @@ def test_a_second_policy_carries_on_the_budget_the_first_one_observed(db: Any, s
         first = run_chunk(conn, policies[0], CUTOFF, plans[0].chunks[0], on_batch=lambda r: time.sleep(0.02))
     seen = rows(db, observations)
     assert first.batches > 10 and seen and {o[0] for o in seen} == {"events_purge"}
-    state = rows(db, f'SELECT level, baseline_ms, observer FROM "{schema}_ledger".budget_state')
+    state = rows(db, f'SELECT level, baseline_ms, observer, baseline_at FROM "{schema}_ledger".budget_state')
     time.sleep(0.25)  # the next period is due
     with closing(connect("psycopg", budget_dsn)) as conn:
         run_chunk(conn, policies[1], CUTOFF, plans[1].chunks[0], on_batch=lambda r: time.sleep(0.02))
     more = rows(db, observations)[len(seen) :]
-    # The second policy's chunks observed the same state: from the level the first left, with its baseline.
+    # The second policy's chunks observed the same state: from the level the first left, with its baseline
+    # (not measured again; only ever lowered to the canary's recent median).
     assert more and {o[0] for o in more} == {"other_purge"}
-    assert all(o[2] == state[0][1] for o in more)
+    assert all(o[2] <= state[0][1] for o in more)
+    assert scalar(db, f'SELECT baseline_at FROM "{schema}_ledger".budget_state') == state[0][3]
     assert more[0][1] in (state[0][0] - 1, state[0][0], state[0][0] + 1)
     assert scalar(db, f'SELECT count(*) FROM "{schema}_ledger".budget_state') == 1
 
@@ -653,6 +655,47 @@ def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(
     assert all(s[2] > 0.05 for s in downs)
     assert result.paused.get("wal_rate", 0) > 0, result.paused
     assert eligible_ids(db, table) == []
+
+
+@pytest.mark.parametrize(("recent_ms", "expected_ms"), [(1.0, 1.0), (100.0, 50.0)])
+def test_the_baseline_goes_down_to_the_canarys_recent_median_and_never_up(
+    db: Any, schema: str, budget_dsn: str, recent_ms: float, expected_ms: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A baseline of 50 ms measured while the database was slow, and twenty periods since whose canary read
+    1 ms: the next observation lowers it to that median and says so, and the thresholds follow. Canaries
+    above it (a purge at work) never raise it within a run."""
+    events(db, schema, count=200)
+    policy = make_policy(schema, batch_size=50, budget=BUDGET)
+    (chunk,) = make_plan(db, policy).chunks
+    force(db, policy, level_of(1))
+    ledger = f'"{policy.ledger_schema}"'
+    rows(
+        db,
+        f"UPDATE {ledger}.budget_state SET baseline_ms = 50, baseline_at = clock_timestamp() - interval '10 s',"
+        " observed_at = clock_timestamp() - interval '1 s', claimed_until = NULL",
+    )
+    rows(
+        db,
+        f"INSERT INTO {ledger}.budget_observations (at, scope, level, concurrency, duty, paused, move, canary_ms,"
+        " baseline_ms, signals, reasons)"
+        " SELECT clock_timestamp() - make_interval(secs => g * 0.2), 'database', %(level)s, 1, 1, false, 'hold',"
+        " %(canary)s, 50, '{}', '{}' FROM generate_series(1, 20) g",
+        {"level": level_of(1), "canary": recent_ms},
+    )
+    caplog.set_level("INFO", logger="airflow_retention.core.running.budget")
+    with closing(connect("psycopg", budget_dsn)) as conn:
+        run_chunk(conn, policy, CUTOFF, chunk)
+    seen = rows(
+        db,
+        f"SELECT baseline_ms, canary_ms FROM {ledger}.budget_observations WHERE observer IS NOT NULL ORDER BY at",
+    )
+    assert seen and all(b == pytest.approx(expected_ms) for b, _ in seen), seen
+    assert scalar(db, f"SELECT baseline_ms FROM {ledger}.budget_state") == pytest.approx(expected_ms)
+    lowered = [r.getMessage() for r in caplog.records if "baseline lowered" in r.getMessage()]
+    if recent_ms < 50:
+        assert lowered and "lowered from 50.00 to 1.00 ms: the canary's median over the last 20 periods" in lowered[0]
+    else:
+        assert lowered == []
 
 
 # -- pauses per reason ------------------------------------------------------------------------------

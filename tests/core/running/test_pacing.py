@@ -123,6 +123,19 @@ def test_a_batch_cut_short_by_the_statement_cap_retries_a_quarter() -> None:
     assert not sizer.cut_short(500)  # the smallest batch runs uncapped: its timeout is the policy's own
 
 
+def test_after_a_cut_the_size_never_grows_past_half_the_cut_batch_again() -> None:
+    """A block chunk's cold tail with nothing to delete: fast batches double the size at once, and the
+    next big one read cold pages past the cap again, five cuts in 7 s at the same size. After a cut the
+    size grows back, but only to half the batch that was cut, for the rest of the chunk."""
+    sizer = BatchSizer(172_624, 500, 1_000_000, 20)
+    assert sizer.cut_short(172_624) and sizer.size == 43_156
+    grown = [sizer.observe(1, full=True) for _ in range(6)]  # each far below the target: doubled at once
+    assert grown == [86_312] * 6, grown  # 172,624 // 2; without the ceiling: 86,312, 172,624, 345,248, ...
+    assert sizer.cut_short(86_312) and sizer.size == 21_578
+    assert [sizer.observe(1, full=True) for _ in range(3)] == [43_156] * 3  # the lower ceiling holds
+    assert sizer.observe(100, full=True) == 8_631  # shrinking is not limited by it
+
+
 def test_fast_batches_grow_the_size_only_after_two_in_a_row() -> None:
     sizer = BatchSizer(1000, 10, 100_000, 200)
     assert sizer.observe(100, full=True) == 1000  # one calm batch (half the target): not yet
@@ -592,12 +605,14 @@ def _sizes_follow_the_sizer(
     replay = BatchSizer(
         start or policy.batch_size, policy.min_batch_size, policy.max_batch_size, policy.target_batch_ms
     )
+    picks = []  # the sizer's own sizes, cut or not: a batch after a cut one goes back up to 4x + 3 of it
     for b in log:
+        picks.append(replay.size)
         cut = max(replay.smallest, replay.size // FULL_PAGE_SHRINK)
         assert b.size in (replay.size, cut), [(b.size, round(b.ms, 1)) for b in log]
         replay.observe(b.ms, full=b.hi < chunk_hi, size=b.size)
-    for before, after in itertools.pairwise(sizes):
-        assert before // FULL_PAGE_SHRINK <= after <= FULL_PAGE_SHRINK * before, sizes
+    for before, after in itertools.pairwise(picks):
+        assert before // FULL_PAGE_SHRINK <= after <= FULL_PAGE_SHRINK * before, (picks, sizes)
     return sizes
 
 
