@@ -294,11 +294,11 @@ def test_the_budget_its_pauses_and_the_pressure_of_each_run_are_the_ledgers(seed
     assert panel.budget.paused and panel.budget.live and panel.budget.reasons == (PAUSE_REASON,)
     assert panel.budget.describe() == "paused"
 
-    # Seconds paused per reason: the chunks' own, summed (the engine rested after each batch at half duty, or
-    # at the budget's slow start while the other tests' sessions worked).
+    # Seconds paused per reason: the chunks' own, summed. The engine rested after each batch at half duty
+    # (``max_duty_cycle``), or at a lower duty the budget set, under the budget's reason: its slow start, or a
+    # signal such as ``canary_latency`` while the other tests' sessions worked (CI's runs rested only so).
     pauses = ledger_pauses(admin, policy.ledger_schema)
-    rests = ("max_duty_cycle", "slow_start")
-    assert all(sum(pauses.get(k, {}).get(r, 0) for r in rests) > 0 for k in seeded.complete), pauses
+    assert all(sum(pauses.get(k, {}).values()) > 0 for k in seeded.complete), pauses
     for key, run in panel.run_budgets.items():
         assert run.paused_s == pytest.approx(pauses.get(key, {})), key
     # The pressure of each complete run: every observation of its span, counted by the test's SQL.
