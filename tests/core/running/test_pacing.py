@@ -97,7 +97,7 @@ def test_below_a_duty_cycle_of_one_a_batch_writes_at_most_a_burst_of_wal_and_gro
     assert pacer.next_size(None) == 20_000  # at full duty: no cap (8 MB of WAL)
     pacer.aim_for(0.05, 2.0)
     capped = BURST_WAL_BYTES // 400
-    assert pacer.next_size(None) == capped == 2621
+    assert pacer.next_size(None) == capped == 655
     assert watch._last_size == capped  # the next WAL per row is measured at the size sent
     pacer.aim_for(1.0, 2.0)
     assert pacer.next_size(None) == capped  # the cap lifted: the sizer starts from it ...
