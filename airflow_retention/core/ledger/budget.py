@@ -179,21 +179,34 @@ class LedgerBudget(LedgerSchema):
         )
         return int(rows[0][0]), int(rows[0][1])
 
-    def slot_holders(self, conn: Any) -> frozenset[tuple[Any, ...]]:
+    def slot_holders(self, conn: Any, among: Sequence[TenantSlot] = ()) -> frozenset[tuple[Any, ...]]:
         """Every batch and tenant slot other sessions hold on this database, with what its session last did:
         (backend pid, lock class, key, the session's last statement start and state change). Read before and
         after a wait for a slot: the same set at both ends means no batch began or ended meanwhile, not even
         one by a session that gave a slot back and took it again (its statements moved the times). Another
-        role's times are hidden without ``pg_read_all_stats``: then only the slots themselves are compared."""
-        rows = dbapi.fetch_all(
-            conn,
+        role's times are hidden without ``pg_read_all_stats``: then only the slots themselves are compared.
+
+        :param among: only these slots (one tenant's of one table): a wait for a tenant's slot is held up by
+            that tenant's batches alone, whatever the other tenants' do."""
+        sql = (
             "SELECT pid, classid::bigint, objid::bigint,"
             " (SELECT a.query_start FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_locks.pid),"
             " (SELECT a.state_change FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_locks.pid)"
             f"{_SLOT_LOCKS} AND granted AND mode = 'ExclusiveLock' AND pid <> pg_backend_pid()"
-            " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)",
-            {"k": SLOT_CLASS, "t": TENANT_CLASS},
         )
+        params: dict[str, Any] = {"k": SLOT_CLASS, "t": TENANT_CLASS}
+        if among:
+            (table,) = {slot.table for slot in among}
+            # The keys hashed as _lock_args hashes them; an int4 cast to oid is the lock's objid.
+            hashed = "hashtext(concat(%(table)s::regclass::oid, chr(31), s))" if table else "hashtext(s)"
+            sql += (
+                f" AND classid = %(t)s::bigint::oid AND objid IN (SELECT {hashed}::oid"
+                " FROM unnest(%(keys)s::text[]) AS s)"
+            )
+            params.update(table=table, keys=[slot.key for slot in among])
+        else:
+            sql += " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)"
+        rows = dbapi.fetch_all(conn, sql, params)
         return frozenset((int(pid), int(cls), int(key), started, changed) for pid, cls, key, started, changed in rows)
 
     def foreground_sessions(self, conn: Any, within_s: float, ignore_databases: Sequence[str] = ()) -> int:
@@ -288,6 +301,11 @@ class LedgerBudget(LedgerSchema):
                 return False
             raise
         return True
+
+    def touch(self, conn: Any) -> None:
+        """One empty statement: it moves this session's ``query_start`` in ``pg_stat_activity``, which a
+        worker waiting for a slot this session holds reads as "not hung" (:meth:`slot_holders`)."""
+        dbapi.fetch_all(conn, "SELECT 1")
 
     def release_slot(self, conn: Any, slot: Slot) -> None:
         args, params = _lock_args(slot)

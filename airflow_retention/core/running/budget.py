@@ -170,12 +170,15 @@ class SharedBudget:
         database began or ended while it waited (a holder hung, or a session holding a slot for another
         reason). A worker that gave its slot back and took it again holds the same slot at both ends, but
         its statements moved its session's times. A wait while the slots change hands is the
-        budget shared: four workers at one batch at a time each wait three quarters of the purge."""
-        before = self.ledger.slot_holders(conn)
+        budget shared: four workers at one batch at a time each wait three quarters of the purge. A wait
+        for a tenant's slot looks at that tenant's slots alone: the other tenants' batches moving do not
+        hide a hung holder of its own."""
+        among = self.tenant_slots if isinstance(slot, TenantSlot) else ()
+        before = self.ledger.slot_holders(conn, among)
         started = self.clock()
         taken = self.ledger.wait_slot(conn, slot, self.settings.period_ms)
         waited = self.clock() - started
-        stalled = not taken and self.ledger.slot_holders(conn) == before
+        stalled = not taken and self.ledger.slot_holders(conn, among) == before
         if stalled:
             self._stuck_on = sorted({holder[0] for holder in before})
         self._account(reason, waited, waiting=stalled)
@@ -224,6 +227,14 @@ class SharedBudget:
             return self.policy.max_duty_cycle
         # A step below this policy's floor is another policy's (one budget per database).
         return min(self.policy.max_duty_cycle, max(self.state.duty, self.settings.min_duty))
+
+    def heartbeat(self, conn: Any) -> dict[str, Any]:
+        """How a rest taken holding a slot shows it is alive: a statement every quarter period, so that a
+        worker queued behind a rest longer than its wait (a batch that overran at a low duty cycle rests
+        up to 1 / duty times its length) does not count it as a hung holder. ``{}`` without a slot."""
+        if self.slot is None and self.tenant_slot is None:
+            return {}
+        return {"tick": lambda: self.ledger.touch(conn), "every_s": self.period_s / 4}
 
     def rested(self, seconds: float) -> None:
         """Account the rest after a batch (taken while holding the slot) to its reason."""

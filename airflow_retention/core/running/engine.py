@@ -196,7 +196,7 @@ def walk(run: ChunkRun, walker: Walker, statement: BatchStatement, progress: Pro
             _tally(run, walker, report, full=full, exhausted=exhausted)
             if exhausted:
                 return
-            rest = run.pacer.rest(report.ms, run.budget.duty())
+            rest = run.pacer.rest(report.ms, run.budget.duty(), **run.budget.heartbeat(run.conn))
             run.budget.rested(rest)
             run.result.duty_seconds += rest
             run.budget.release(run.conn)

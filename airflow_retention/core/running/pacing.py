@@ -347,14 +347,23 @@ class Pacer:
         )
         return True
 
-    def rest(self, ms: float, duty: float | None = None) -> float:
+    def rest(
+        self, ms: float, duty: float | None = None, *, tick: Callable[[], None] | None = None, every_s: float = 0.0
+    ) -> float:
         """After a batch of ``ms``, pause so that batches take at most ``duty_cycle`` (or ``duty``, the
-        database budget's) of the wall time; returns the seconds paused."""
+        database budget's) of the wall time; returns the seconds paused.
+
+        :param tick: called every ``every_s`` seconds of the pause (not at its end)."""
         duty = self.duty_cycle if duty is None else duty
         if duty >= 1 or ms <= 0:
             return 0.0
         pause = ms / 1000 * (1 / duty - 1)
-        self.sleep(pause)
+        left = pause
+        while tick is not None and every_s > 0 and left > every_s:
+            self.sleep(every_s)
+            left -= every_s
+            tick()
+        self.sleep(left)
         return pause
 
 

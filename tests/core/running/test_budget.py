@@ -34,6 +34,7 @@ from airflow_retention.core.policy.model import RetentionPolicy
 from airflow_retention.core.running.budget import SharedBudget
 from airflow_retention.core.running.controller import DUTY_STEPS, SLOW_START, ladder, start_level
 from airflow_retention.core.running.engine import BatchReport, ChunkResult, run_chunk
+from airflow_retention.core.running.pacing import Pacer
 from tests.conftest import _admin, connect, throwaway_database
 from tests.core.helpers import (
     CUTOFF,
@@ -307,6 +308,44 @@ def test_workers_sharing_one_slot_wait_past_give_up_after_without_giving_up(
     assert_purged_once(db, policy, table, eligible, total, plan.run_key)
     waited = sorted(r.paused.get("slots", 0.0) for r in results.values())
     assert waited[-1] > 0.4, waited  # twice give_up_after: counted as before, the worker would have given up
+    assert slots(db) == []
+
+
+def test_a_worker_queued_behind_a_long_rest_does_not_count_it_as_a_hung_holder(
+    db: Any, schema: str, budget_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches that overran at a low duty cycle rest many periods holding their slot (at 0.5 % a 259 ms batch
+    rests 51 s). The holder runs a statement every quarter period of its rest, so a worker queued behind it
+    sees it alive: two policies sharing one slot, each batch resting 0.4 s (two periods), finish with
+    give_up_after at 0.8 s. Without the heartbeat every wait behind a rest counted and one of them gave up."""
+    tables = [events(db, schema, "events", 400), events(db, schema, "events2", 400)]
+    policies = [
+        make_policy(
+            schema,
+            name=name,
+            table=f"{schema}.{table}",
+            batch_size=50,
+            chunk_rows=5000,
+            max_duty_cycle=0.01,
+            budget=BUDGET,
+            throttle={"give_up_after": "800ms"},
+        )
+        for name, table in (("events_purge", "events"), ("other_purge", "events2"))
+    ]
+    plans = [make_plan(db, p) for p in policies]
+    assert [len(p.chunks) for p in plans] == [1, 1]
+    before = [(len(eligible_ids(db, t)), scalar(db, f"SELECT count(*) FROM {t}")) for t in tables]
+    force(db, policies[0], level_of(1))  # the state of both: one ledger
+    rest = Pacer.rest
+    # Each batch rests as one of 4 ms at 1 % does (0.4 s), however fast it was on this server.
+    monkeypatch.setattr(Pacer, "rest", lambda self, ms, duty=None, **kw: rest(self, max(ms, 4.0), duty, **kw))
+    jobs = [(p, plan.chunks[0]) for p, plan in zip(policies, plans, strict=True)]
+    results, errors = run_in_threads(budget_dsn, jobs, Inside(0))
+    assert errors == []
+    for policy, plan, table, (eligible, total) in zip(policies, plans, tables, before, strict=True):
+        assert_purged_once(db, policy, table, eligible, total, plan.run_key)
+    waited = sorted(r.paused.get("slots", 0.0) for r in results.values())
+    assert waited[-1] > 1.6, waited  # twice give_up_after behind the other's rests, none of it counted
     assert slots(db) == []
 
 
@@ -596,12 +635,9 @@ def test_one_big_tenants_chunks_never_hold_more_batch_slots_than_its_ceiling(
         assert ledger[chunk.key].get("tenant_ceiling", 0.0) == pytest.approx(waited[chunk.key], abs=0.01)
 
 
-@pytest.mark.parametrize("spelling", ["as the policy", "unqualified"])
-def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_holds_no_slot(
-    db: Any, schema: str, budget_dsn: str, spelling: str
-) -> None:
-    """Another worker holds the tenant's only slot, its policy naming the table as this one does or
-    unqualified (found on its ``search_path``): one table, one ceiling, whatever the spelling."""
+def one_tenant_of_one_slot(db: Any, schema: str) -> tuple[str, RetentionPolicy, Any, int]:
+    """Tenant 1's rows, a policy of one slot per tenant giving up after 300 ms, its plan, and the table's
+    row count before any chunk ran."""
     table = create_events(db, schema)
     fill_events(db, table, 2000, tenant="1")
     policy = make_policy(
@@ -614,7 +650,16 @@ def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_h
     )
     plan = make_plan(db, policy)
     force(db, policy, level_of(4))
-    before = scalar(db, f"SELECT count(*) FROM {table}")
+    return table, policy, plan, scalar(db, f"SELECT count(*) FROM {table}")
+
+
+@pytest.mark.parametrize("spelling", ["as the policy", "unqualified"])
+def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_holds_no_slot(
+    db: Any, schema: str, budget_dsn: str, spelling: str
+) -> None:
+    """Another worker holds the tenant's only slot, its policy naming the table as this one does or
+    unqualified (found on its ``search_path``): one table, one ceiling, whatever the spelling."""
+    table, policy, plan, before = one_tenant_of_one_slot(db, schema)
     holder = TenantSlot(policy.table.sql if spelling == "as the policy" else '"events"', "1", 0)
     with closing(connect("psycopg2", budget_dsn)) as other:
         other.autocommit = True
@@ -630,6 +675,48 @@ def test_a_tenant_chunk_waiting_past_give_up_after_fails_naming_its_tenant_and_h
     assert slots(db) == [] and rows(db, TENANT_SLOTS_SQL, {"k": TENANT_CLASS}) == []
     chunk = {c["chunk_key"]: c for c in ledger_chunks(db, policy.ledger_schema, plan.run_key)}[plan.chunks[0].key]
     assert chunk["paused"].get("tenant_ceiling", 0.0) >= 0.3
+
+
+def test_a_tenant_waiter_gives_up_on_its_tenants_hung_slot_while_other_tenants_batches_go_on(
+    db: Any, schema: str, budget_dsn: str
+) -> None:
+    """The tenant's only slot is held by a session that runs nothing (a worker hung mid-rest) while another
+    tenant's slot changes hands all the time: the waits count, because nothing moved among its own tenant's
+    slots. Compared over all slots of the database, the other tenant's batches hid the hung holder and the
+    chunk waited for as long as they went on."""
+    table, policy, plan, before = one_tenant_of_one_slot(db, schema)
+    ledger = Ledger(policy.ledger_schema)
+    stop, churns = threading.Event(), [0]
+
+    def churn() -> None:  # another worker's batches of tenant 2, one after another, for at most 20 s
+        with closing(connect("psycopg2", budget_dsn)) as other:
+            other.autocommit = True
+            deadline = time.monotonic() + 20
+            while not stop.is_set() and time.monotonic() < deadline:
+                assert ledger.try_slot(other, TenantSlot(policy.table.sql, "2", 0))
+                time.sleep(0.02)
+                ledger.release_slot(other, TenantSlot(policy.table.sql, "2", 0))
+                churns[0] += 1
+
+    churner = threading.Thread(target=churn, daemon=True)
+    with closing(connect("psycopg2", budget_dsn)) as hung:
+        hung.autocommit = True
+        pid = rows(hung, "SELECT pg_backend_pid()")[0][0]
+        assert ledger.try_slot(hung, TenantSlot(policy.table.sql, "1", 0))
+        churner.start()
+        try:
+            with closing(connect("psycopg", budget_dsn)) as conn, pytest.raises(RetryableError) as caught:
+                run_chunk(conn, policy, CUTOFF, plan.chunks[0])
+            # Given up while the other tenant's batches still went on, not once they stopped.
+            assert churner.is_alive() and churns[0] > 0, churns
+        finally:
+            stop.set()
+            churner.join()
+    message = str(caught.value)
+    assert "waiting for a slot of tenant 1 (max_workers_per_tenant 1)" in message, message
+    assert f"the slots held throughout by backend pid(s) {pid} for" in message, message
+    assert scalar(db, f"SELECT count(*) FROM {table}") == before  # nothing deleted
+    assert slots(db) == [] and rows(db, TENANT_SLOTS_SQL, {"k": TENANT_CLASS}) == []
 
 
 def test_the_wal_rate_beside_a_foreground_steps_the_budget_down_and_is_recorded(

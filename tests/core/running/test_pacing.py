@@ -58,6 +58,19 @@ def test_a_slow_batch_shrinks_the_next_one_at_once_by_its_whole_ratio() -> None:
     assert sizer.observe(100_000, full=True) == 10  # never below the smallest
 
 
+def test_a_rest_ticks_at_every_interval_inside_it_and_sleeps_the_same_in_all() -> None:
+    """A rest holding a slot shows it is alive (the budget's heartbeat): a tick every ``every_s`` inside the
+    pause, none at its end; the seconds slept are the pause's, in pieces."""
+    slept: list[float] = []
+    ticks: list[float] = []
+    pacer = Pacer(sizer=BatchSizer(100, 10, 1000, 200), statement_timeout_ms=60_000, sleep=slept.append)
+    assert pacer.rest(20, 0.01, tick=lambda: ticks.append(sum(slept)), every_s=0.5) == pytest.approx(1.98)
+    assert slept == pytest.approx([0.5, 0.5, 0.5, 0.48]) and ticks == pytest.approx([0.5, 1.0, 1.5])
+    slept.clear()
+    assert pacer.rest(2, 0.01, tick=lambda: ticks.append(-1), every_s=0.5) == pytest.approx(0.198)
+    assert slept == pytest.approx([0.198]) and len(ticks) == 3  # shorter than the interval: no tick
+
+
 def test_at_a_low_duty_cycle_batches_aim_short_enough_to_rest_at_most_a_period() -> None:
     """Busy 1 % of the time with a 2 s period: a 200 ms batch would rest 19.8 s; aimed at 20 ms it rests
     2 s, the same share in pieces a tenth the size. The statement cap stays the policy target's."""
