@@ -85,13 +85,17 @@ _SLOT_LOCKS = (
 )
 
 
+def _tenant_key(key: str, table: str) -> str:
+    """The SQL of a tenant slot's second lock key: the server's hash of ``key`` (an SQL text expression)
+    after the OID of the table in parameter ``%(table)s`` (none for :data:`PURGE_MARK`)."""
+    return f"hashtext(concat(%(table)s::regclass::oid, chr(31), {key}))" if table else f"hashtext({key})"
+
+
 def _lock_args(slot: Slot) -> tuple[str, dict[str, Any]]:
     """The advisory lock's two keys of ``slot``: SQL and parameters (the tenant's text hashed by the server)."""
     if isinstance(slot, TenantSlot):
         params = {"k": TENANT_CLASS, "slot": slot.key, "table": slot.table}
-        if not slot.table:
-            return "%(k)s::integer, hashtext(%(slot)s::text)", params
-        return "%(k)s::integer, hashtext(concat(%(table)s::regclass::oid, chr(31), %(slot)s::text))", params
+        return f"%(k)s::integer, {_tenant_key('%(slot)s::text', slot.table)}", params
     return "%(k)s::integer, %(slot)s::integer", {"k": SLOT_CLASS, "slot": slot}
 
 
@@ -197,10 +201,9 @@ class LedgerBudget(LedgerSchema):
         params: dict[str, Any] = {"k": SLOT_CLASS, "t": TENANT_CLASS}
         if among:
             (table,) = {slot.table for slot in among}
-            # The keys hashed as _lock_args hashes them; an int4 cast to oid is the lock's objid.
-            hashed = "hashtext(concat(%(table)s::regclass::oid, chr(31), s))" if table else "hashtext(s)"
+            # An int4 key cast to oid is the lock's objid.
             sql += (
-                f" AND classid = %(t)s::bigint::oid AND objid IN (SELECT {hashed}::oid"
+                f" AND classid = %(t)s::bigint::oid AND objid IN (SELECT {_tenant_key('s', table)}::oid"
                 " FROM unnest(%(keys)s::text[]) AS s)"
             )
             params.update(table=table, keys=[slot.key for slot in among])

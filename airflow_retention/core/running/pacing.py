@@ -55,8 +55,8 @@ SHORTEST_AIM_MS = 10
 # tps and the same 5,000 rows a second, batches of up to 4,000 rows (about 1.3 MB of WAL) left its p99
 # within 1.2x of its p99 alone, batches of 16,000 rows (5 MB) at 2.4x (docs/performance.md, "The burst
 # of WAL"). 256 kB rather than 1 MB: in four A/B runs beside pgbench (1 and 4 workers, both orders) its
-# p99 was 0.13-0.27x its alone lower, for 5-30 % more time beside it; on an idle database (duty 1) there
-# is no cap (docs/performance.md, "A smaller WAL burst").
+# p99 was lower by 0.10-0.23 of its p99 alone, for 5-30 % more time beside it; on an idle database (duty 1)
+# there is no cap (docs/performance.md, "A smaller WAL burst, the default").
 BURST_WAL_BYTES = 1 << 18
 
 
