@@ -24,6 +24,11 @@ SLOT_CLASS = 0x52657442  # "RetB"
 # The tenant slots' space: (TENANT_CLASS, hashtext of table, tenant and slot number). Two tenants whose
 # texts hash alike share a ceiling, which only slows them.
 TENANT_CLASS = 0x52657454  # "RetT"
+# A session queued for a lock holds its statement's snapshot, and with it the database's xmin horizon (no
+# table of the database may prune a row version younger than it), for as long as it waits: three workers
+# queued a period at a time kept the horizon up to 2 s behind for the whole purge. They queue in waits of at
+# most this, each its own statement: no longer than a batch at the default target_batch_time holds its own.
+WAIT_SLICE_MS = 200
 _STATE_COLUMNS = (
     "level, quiet, paused, concurrency, duty, baseline_ms, reasons, causes,"
     " extract(epoch FROM clock_timestamp() - observed_at)::float8"
@@ -193,10 +198,9 @@ class LedgerBudget(LedgerSchema):
         :param among: only these slots (one tenant's of one table): a wait for a tenant's slot is held up by
             that tenant's batches alone, whatever the other tenants' do."""
         sql = (
-            "SELECT pid, classid::bigint, objid::bigint,"
-            " (SELECT a.query_start FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_locks.pid),"
-            " (SELECT a.state_change FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_locks.pid)"
-            f"{_SLOT_LOCKS} AND granted AND mode = 'ExclusiveLock' AND pid <> pg_backend_pid()"
+            "SELECT l.pid, l.classid::bigint, l.objid::bigint, a.query_start, a.state_change FROM ("
+            f"SELECT pid, classid, objid{_SLOT_LOCKS} AND granted AND mode = 'ExclusiveLock'"
+            " AND pid <> pg_backend_pid()"
         )
         params: dict[str, Any] = {"k": SLOT_CLASS, "t": TENANT_CLASS}
         if among:
@@ -209,6 +213,7 @@ class LedgerBudget(LedgerSchema):
             params.update(table=table, keys=[slot.key for slot in among])
         else:
             sql += " AND classid IN (%(k)s::bigint::oid, %(t)s::bigint::oid)"
+        sql += ") l LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
         rows = dbapi.fetch_all(conn, sql, params)
         return frozenset((int(pid), int(cls), int(key), started, changed) for pid, cls, key, started, changed in rows)
 
@@ -293,17 +298,27 @@ class LedgerBudget(LedgerSchema):
         return bool(dbapi.fetch_all(conn, f"SELECT pg_try_advisory_lock({args})", params)[0][0])
 
     def wait_slot(self, conn: Any, slot: Slot, timeout_ms: int) -> bool:
-        """Queue for ``slot`` behind its holder (PostgreSQL grants it in turn), at most ``timeout_ms``."""
+        """Queue for ``slot`` behind its holder (PostgreSQL grants it in turn), at most ``timeout_ms``: in
+        waits of at most :data:`WAIT_SLICE_MS`, each its own statement, so that no waiter holds a snapshot
+        longer than that."""
         args, params = _lock_args(slot)
-        try:
-            with dbapi.transaction(conn) as cur:
-                cur.execute("SELECT set_config('lock_timeout', %(t)s, true)", {"t": str(max(1, timeout_ms))})
-                cur.execute(f"SELECT pg_advisory_lock({args})", params)
-        except RetryableError as exc:
-            if exc.sqlstate == "55P03":
-                return False
-            raise
-        return True
+        deadline = time.monotonic() + max(1, timeout_ms) / 1000
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            try:
+                with dbapi.transaction(conn) as cur:
+                    cur.execute(
+                        "SELECT set_config('lock_timeout', %(t)s, true)",
+                        {"t": str(max(1, min(WAIT_SLICE_MS, left_ms)))},
+                    )
+                    cur.execute(f"SELECT pg_advisory_lock({args})", params)
+            except RetryableError as exc:
+                if exc.sqlstate != "55P03":
+                    raise
+                if left_ms <= WAIT_SLICE_MS:
+                    return False
+                continue
+            return True
 
     def touch(self, conn: Any) -> None:
         """One empty statement: it moves this session's ``query_start`` in ``pg_stat_activity``, which a

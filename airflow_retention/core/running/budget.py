@@ -103,7 +103,7 @@ class SharedBudget:
         # Paused by a signal, or waiting for a slot while nothing moved (:meth:`_wait`), in this attempt:
         # what counts towards give_up_after.
         self.held_s = 0.0
-        self._stuck_on: list[int] = []  # the sessions that held the slots through the last wait that counted
+        self._stuck_on: list[int] = []  # the sessions that held the slots through the last wait, if it counted
         self._told: tuple[int, bool, tuple[str, ...]] | None = None
         self._unreadable: set[str] = set()
 
@@ -179,13 +179,14 @@ class SharedBudget:
         taken = self.ledger.wait_slot(conn, slot, self.settings.period_ms)
         waited = self.clock() - started
         stalled = not taken and self.ledger.slot_holders(conn, among) == before
-        if stalled:
-            self._stuck_on = sorted({holder[0] for holder in before})
+        # Named only while the last wait counted: a give-up after one that did not (the pauses having
+        # reached give_up_after) would name sessions that moved since.
+        self._stuck_on = sorted({holder[0] for holder in before}) if stalled else []
         self._account(reason, waited, waiting=stalled)
         return taken
 
     def _stuck(self) -> str:
-        """Who held the slots through the waits that counted: the sessions for an operator to look at."""
+        """Who held the slots through the last wait, if it counted: the sessions for an operator to look at."""
         if not self._stuck_on:
             return ""
         return f", the slots held throughout by backend pid(s) {', '.join(map(str, self._stuck_on))}"

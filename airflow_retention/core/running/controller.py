@@ -53,7 +53,8 @@ class Step:
     duty: float
 
     def describe(self) -> str:
-        return f"{self.concurrency} batch(es) at once, busy {self.duty:.0%} of the time"
+        # The floor's steps are under 1 %: "busy 0% of the time" read as a stuck purge.
+        return f"{self.concurrency} batch(es) at once, busy {self.duty * 100:.3g}% of the time"
 
 
 def ladder(max_workers: int) -> list[Step]:

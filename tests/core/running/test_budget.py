@@ -370,6 +370,74 @@ def test_a_worker_waiting_on_a_slot_nobody_gives_back_gives_up_naming_its_holder
     assert scalar(db, f"SELECT count(*) FROM {table}") == before
 
 
+def test_a_give_up_names_the_holders_of_the_last_wait_only_if_it_counted(db: Any, schema: str, budget_dsn: str) -> None:
+    """The sessions a give-up names held the slots through the last wait, none of them having run a
+    statement: after a wait in which the holder ran one (not counted), no session is named."""
+    events(db, schema, count=200)
+    policy = make_policy(schema, budget=BUDGET)  # a wait of a period: 200 ms
+    make_plan(db, policy)
+    budget = SharedBudget(policy, Ledger(policy.ledger_schema), "chunk x", "test")
+    with closing(_admin(budget_dsn)) as holder, closing(connect("psycopg2", budget_dsn)) as conn:
+        assert rows(holder, "SELECT pg_try_advisory_lock(%(k)s::integer, 0)", {"k": SLOT_CLASS}) == [(True,)]
+        pid = rows(holder, "SELECT pg_backend_pid()")[0][0]
+        assert not budget._wait(conn, 0, "slots")  # the holder ran nothing meanwhile: counted
+        assert budget._stuck() == f", the slots held throughout by backend pid(s) {pid}"
+        held = budget.held_s
+        statement = threading.Timer(0.05, lambda: rows(holder, "SELECT 1"))
+        statement.start()
+        assert not budget._wait(conn, 0, "slots")  # the holder ran a statement meanwhile: not counted
+        statement.join()
+        assert budget.held_s == held and budget._stuck() == ""
+
+
+@pytest.mark.parametrize("driver", ["psycopg", "psycopg2"])
+def test_a_worker_queued_for_a_slot_holds_no_snapshot_longer_than_a_slice_and_takes_the_slot_when_given_back(
+    db: Any, budget_dsn: str, driver: str
+) -> None:
+    """A session queued for a lock holds its statement's snapshot, and with it the database's xmin horizon,
+    for as long as it waits: the wait for a slot is cut into statements of at most WAIT_SLICE_MS. Sampled
+    through a 2 s wait on a slot another session keeps, the waiter's statement is never much older than a
+    slice, and the wait ends without the slot after its 2 s; given back in the middle of a second wait, the
+    slot is taken at once."""
+    ledger = Ledger("no_ledger")  # the slots are advisory locks: no table of the ledger is read
+    with closing(_admin(budget_dsn)) as holder, closing(connect(driver, budget_dsn)) as conn:
+        assert rows(holder, "SELECT pg_try_advisory_lock(%(k)s::integer, 5)", {"k": SLOT_CLASS}) == [(True,)]
+        waiter = rows(conn, "SELECT pg_backend_pid()")[0][0]
+        conn.commit()
+        outcome: list[tuple[bool, float]] = []
+
+        def wait(timeout_ms: int) -> None:
+            started = time.monotonic()
+            outcome.append((ledger.wait_slot(conn, 5, timeout_ms), time.monotonic() - started))
+
+        thread = threading.Thread(target=wait, args=(2000,))
+        thread.start()
+        ages = []
+        while thread.is_alive():
+            ages += rows(
+                db,
+                "SELECT extract(epoch FROM clock_timestamp() - query_start)::float8 FROM pg_catalog.pg_stat_activity"
+                " WHERE pid = %(p)s AND wait_event_type = 'Lock' AND backend_xmin IS NOT NULL",
+                {"p": waiter},
+            )
+            time.sleep(0.05)
+        thread.join()
+        (taken, waited), *_ = outcome
+        assert not taken and 1.9 <= waited < 3.0
+        assert len(ages) >= 10 and max(age for (age,) in ages) < 0.5, ages
+
+        thread = threading.Thread(target=wait, args=(10_000,))
+        thread.start()
+        time.sleep(0.5)
+        given_back = time.monotonic()
+        assert rows(holder, "SELECT pg_advisory_unlock(%(k)s::integer, 5)", {"k": SLOT_CLASS}) == [(True,)]
+        thread.join()
+        taken, _ = outcome[1]
+        assert taken and time.monotonic() - given_back < 1.0
+        assert (waiter, 5) in [(pid, slot) for pid, slot, _ in slots(db)]
+        ledger.release_slot(conn, 5)
+
+
 def test_a_worker_killed_holding_a_slot_loses_it_and_the_others_take_it(
     db: Any, schema: str, budget_dsn: str, tmp_path: Path
 ) -> None:

@@ -78,6 +78,12 @@ def test_the_ladder_from_the_floor_to_max_workers_and_where_it_starts() -> None:
     assert [s.duty for s in steps] == sorted(s.duty for s in steps)  # lowest first
     assert ladder(1)[-1] == Step(1, 1.0) and len(ladder(1)) == start_level() + 1
     assert Step(2, 0.35).describe() == "2 batch(es) at once, busy 35% of the time"
+    # The floor's steps are under 1 %: never "busy 0%".
+    assert [Step(1, d).describe() for d in (0.005, 0.0025, 0.01)] == [
+        "1 batch(es) at once, busy 0.5% of the time",
+        "1 batch(es) at once, busy 0.25% of the time",
+        "1 batch(es) at once, busy 1% of the time",
+    ]
 
 
 def test_a_budget_starts_at_full_speed_only_when_nobody_else_works() -> None:
